@@ -1,0 +1,33 @@
+"""Compression primitives: per-group k-bit quantization, bit packing, 1-bit masks.
+
+Every op is a ``torch.library`` operator (``torch.ops.actcore.*``) with a fake kernel and
+a pure-PyTorch reference implementation that runs on any device.
+"""
+
+from __future__ import annotations
+
+from .api import (
+    FLOAT_DTYPES,
+    dequantize,
+    hash_uniform,
+    new_seed,
+    pack_bits,
+    pack_mask,
+    quantize,
+    unpack_bits,
+    unpack_mask,
+)
+from .packed import Packed
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "Packed",
+    "dequantize",
+    "hash_uniform",
+    "new_seed",
+    "pack_bits",
+    "pack_mask",
+    "quantize",
+    "unpack_bits",
+    "unpack_mask",
+]

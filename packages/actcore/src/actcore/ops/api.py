@@ -1,0 +1,140 @@
+"""Checked front end of the ``actcore::*`` ops: validation, defaults and ``Packed``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import library
+from .noise import SEED_LIMIT
+from .packed import Packed
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_FLOAT_NAMES = ", ".join(str(d) for d in FLOAT_DTYPES)
+
+
+def check_bits(bits: object, name: str = "bits") -> int:
+    """``bits`` as an int in 1..8, else TypeError/ValueError naming the value."""
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise TypeError(f"{name} must be an int in 1..8, got {bits!r} ({type(bits).__name__})")
+    if not 1 <= bits <= 8:
+        raise ValueError(f"{name} must be in 1..8, got {bits}")
+    return bits
+
+
+def check_group_size(group_size: object) -> int:
+    """``group_size`` as a positive multiple of 8, else TypeError/ValueError."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an int, got {group_size!r}")
+    if group_size <= 0 or group_size % 8:
+        raise ValueError(f"group_size must be a positive multiple of 8, got {group_size}")
+    return group_size
+
+
+def check_float_dtype(dtype: torch.dtype, what: str = "quantize") -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{what} takes floating tensors ({_FLOAT_NAMES}), got {dtype}")
+
+
+def new_seed() -> int:
+    """A fresh seed from torch's default CPU generator (reproducible under torch.manual_seed;
+    no device synchronisation)."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+
+
+def check_seed(seed: int | None) -> int:
+    if seed is None:
+        return new_seed()
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int or None, got {seed!r}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+    return seed
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    *,
+    group_size: int = 256,
+    stochastic: bool = True,
+    seed: int | None = None,
+    per_sample: bool = True,
+) -> Packed:
+    """Quantize ``x`` per group of ``group_size`` elements to ``bits`` bits.
+
+    Groups lie within each sample (dim 0) when ``per_sample``, else run over the flattened
+    tensor. Each group keeps its minimum and step in bfloat16. With ``stochastic`` the
+    rounding is unbiased (``E[dequantize(quantize(x))] == x``), its noise a hash of
+    ``(seed, element index)``: the same seed gives the same result on every backend, and
+    ``seed=None`` draws one from torch's default generator. Every element's error is below
+    one step of its group. A group containing NaN or +-inf dequantizes to NaN.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    check_float_dtype(x.dtype)
+    bits = check_bits(bits)
+    group_size = check_group_size(group_size)
+    seed = check_seed(seed) if stochastic else 0
+    payload, lo, step = library.quantize(
+        x.detach(), bits, group_size, bool(stochastic), seed, bool(per_sample)
+    )
+    return Packed(payload, lo, step, x.shape, x.dtype, bits, group_size, bool(per_sample))
+
+
+def dequantize(packed: Packed) -> torch.Tensor:
+    """The tensor a :class:`Packed` stands for: same shape, dtype and device as the input."""
+    if not isinstance(packed, Packed):
+        raise TypeError(f"dequantize expects a Packed, got {type(packed).__name__}")
+    return library.dequantize(
+        packed.payload,
+        packed.lo,
+        packed.step,
+        packed.bits,
+        packed.group_size,
+        list(packed.shape),
+        packed.dtype,
+        packed.per_sample,
+    )
+
+
+def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 values below ``2**bits`` into ``ceil(n / 8) * bits`` bytes (row-major)."""
+    bits = check_bits(bits)
+    if values.dtype != torch.uint8:
+        raise TypeError(f"pack_bits takes uint8 values, got {values.dtype}")
+    return library.pack_bits(values, bits)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """The first ``numel`` values of a :func:`pack_bits` result, as flat uint8."""
+    bits = check_bits(bits)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_bits takes a uint8 payload, got {packed.dtype}")
+    if numel < 0 or -(-numel // 8) * bits > packed.numel():
+        raise ValueError(
+            f"a payload of {packed.numel()} bytes holds at most "
+            f"{packed.numel() // bits * 8} values of {bits} bits, asked for {numel}"
+        )
+    return library.unpack_bits(packed, bits, numel)
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a bool tensor at 1 bit per element (``ceil(n / 8)`` bytes)."""
+    if mask.dtype != torch.bool:
+        raise TypeError(f"pack_mask takes a bool tensor, got {mask.dtype}")
+    return library.pack_bits(mask.reshape(-1).view(torch.uint8), 1)
+
+
+def unpack_mask(packed: torch.Tensor, shape: Sequence[int] | torch.Size) -> torch.Tensor:
+    """The bool tensor of ``shape`` that :func:`pack_mask` packed."""
+    numel = torch.Size(shape).numel()
+    return unpack_bits(packed, 1, numel).view(torch.bool).view(tuple(shape))
+
+
+def hash_uniform(index: torch.Tensor, seed: int) -> torch.Tensor:
+    """The stochastic-rounding noise (float32 in [0, 1)) for int64 element ``index``."""
+    if index.dtype != torch.int64:
+        raise TypeError(f"hash_uniform takes int64 indices, got {index.dtype}")
+    return library.hash_uniform(index, check_seed(seed))

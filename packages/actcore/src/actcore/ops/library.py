@@ -1,0 +1,94 @@
+"""The ``actcore::*`` operators, declared once with :mod:`torch.library`.
+
+Each op has a schema, a fake (meta) kernel so ``torch.compile`` and FakeTensor tracing see
+its output shapes, and the pure-PyTorch reference as the implementation for every device.
+Native kernels (CUDA, ``csrc/``) register themselves for their device on top of these.
+The ops take already-validated arguments; :mod:`actcore.ops.api` is the checked front end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .bitpack import pack_bits_reference, packed_nbytes, unpack_bits_reference
+from .noise import uniform_noise
+from .quantization import (
+    META_DTYPE,
+    dequantize_reference,
+    quantize_reference,
+    rows_and_cols,
+)
+
+_Tensors3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@torch.library.custom_op("actcore::quantize", mutates_args=())
+def quantize(
+    x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, per_sample: bool
+) -> _Tensors3:
+    """Per-group k-bit quantization: returns (payload uint8, lo bf16, step bf16)."""
+    return quantize_reference(x, bits, group_size, stochastic, seed, per_sample)
+
+
+@quantize.register_fake
+def _quantize_fake(x, bits, group_size, stochastic, seed, per_sample) -> _Tensors3:
+    rows, cols = rows_and_cols(x.shape, per_sample)
+    payload = x.new_empty((rows, packed_nbytes(cols, bits)), dtype=torch.uint8)
+    groups = (cols + group_size - 1) // group_size
+    lo = x.new_empty((rows, groups), dtype=META_DTYPE)
+    return payload, lo, torch.empty_like(lo)
+
+
+@torch.library.custom_op("actcore::dequantize", mutates_args=())
+def dequantize(
+    payload: torch.Tensor,
+    lo: torch.Tensor,
+    step: torch.Tensor,
+    bits: int,
+    group_size: int,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    per_sample: bool,
+) -> torch.Tensor:
+    """Inverse of ``quantize``: a tensor of ``shape`` and ``dtype`` on the payload's device."""
+    return dequantize_reference(payload, lo, step, bits, group_size, shape, dtype, per_sample)
+
+
+@dequantize.register_fake
+def _dequantize_fake(payload, lo, step, bits, group_size, shape, dtype, per_sample):
+    return payload.new_empty(tuple(shape), dtype=dtype)
+
+
+@torch.library.custom_op("actcore::pack_bits", mutates_args=())
+def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 values below 2**bits into ``ceil(n / 8) * bits`` bytes."""
+    return pack_bits_reference(values, bits)
+
+
+@pack_bits.register_fake
+def _pack_bits_fake(values, bits):
+    return values.new_empty((packed_nbytes(values.numel(), bits),), dtype=torch.uint8)
+
+
+@torch.library.custom_op("actcore::unpack_bits", mutates_args=())
+def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """The first ``numel`` values of a ``pack_bits`` payload, as a flat uint8 tensor."""
+    return unpack_bits_reference(packed, bits, numel)
+
+
+@unpack_bits.register_fake
+def _unpack_bits_fake(packed, bits, numel):
+    return packed.new_empty((numel,), dtype=torch.uint8)
+
+
+@torch.library.custom_op("actcore::hash_uniform", mutates_args=())
+def hash_uniform(index: torch.Tensor, seed: int) -> torch.Tensor:
+    """The stochastic-rounding noise in [0, 1) of int64 element indices, as float32."""
+    return uniform_noise(index, seed)
+
+
+@hash_uniform.register_fake
+def _hash_uniform_fake(index, seed):
+    return torch.empty_like(index, dtype=torch.float32)
