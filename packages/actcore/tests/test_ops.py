@@ -215,10 +215,23 @@ def test_same_seed_same_output_and_different_seeds_differ():
     c = ops.quantize(x, 2, seed=8)
     assert not torch.equal(a.payload, c.payload)
     torch.manual_seed(5)
+    ops.reset_seed_stream()
     d = ops.quantize(x, 2)
-    torch.manual_seed(5)
+    ops.reset_seed_stream()
     e = ops.quantize(x, 2)
-    assert torch.equal(d.payload, e.payload)  # seed=None follows torch.manual_seed
+    assert torch.equal(d.payload, e.payload)  # seed=None: a reproducible stream
+    f = ops.quantize(x, 2)
+    assert not torch.equal(e.payload, f.payload)  # and each call gets a new seed
+    torch.manual_seed(6)
+    assert not torch.equal(ops.quantize(x, 2).payload, d.payload)  # keyed by the torch seed
+
+
+def test_drawing_seeds_leaves_torch_random_stream_alone():
+    torch.manual_seed(6)
+    expected = torch.rand(5)
+    torch.manual_seed(6)
+    ops.quantize(torch.randn(2, 10, generator=torch.Generator().manual_seed(0)), 2)
+    assert torch.equal(torch.rand(5), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -14,6 +14,7 @@ from .api import (
     pack_bits,
     pack_mask,
     quantize,
+    reset_seed_stream,
     unpack_bits,
     unpack_mask,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "pack_bits",
     "pack_mask",
     "quantize",
+    "reset_seed_stream",
     "unpack_bits",
     "unpack_mask",
 ]

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from . import library
-from .noise import SEED_LIMIT
+from .noise import MASK32, SEED_LIMIT, mix32
 from .packed import Packed
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -37,10 +37,26 @@ def check_float_dtype(dtype: torch.dtype, what: str = "quantize") -> None:
         raise TypeError(f"{what} takes floating tensors ({_FLOAT_NAMES}), got {dtype}")
 
 
+_seed_state = {"base": None, "count": 0}
+
+
 def new_seed() -> int:
-    """A fresh seed from torch's default CPU generator (reproducible under torch.manual_seed;
-    no device synchronisation)."""
-    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    """A fresh seed, without drawing from (and so without perturbing) torch's generators.
+
+    Seeds follow a per-process counter keyed by ``torch.initial_seed()``: a process that
+    calls ``torch.manual_seed(s)`` gets the same sequence each run, and a new seed value
+    restarts it. :func:`reset_seed_stream` restarts it in-process. No device sync.
+    """
+    base = torch.initial_seed()
+    if base != _seed_state["base"]:
+        _seed_state["base"], _seed_state["count"] = base, 0
+    _seed_state["count"] += 1
+    return (mix32(base & MASK32) << 31 ^ mix32(_seed_state["count"] & MASK32) ^ base) % SEED_LIMIT
+
+
+def reset_seed_stream() -> None:
+    """Restart the sequence of :func:`new_seed` (e.g. to repeat a run in one process)."""
+    _seed_state["base"], _seed_state["count"] = None, 0
 
 
 def check_seed(seed: int | None) -> int:
