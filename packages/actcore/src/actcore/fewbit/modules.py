@@ -1,0 +1,247 @@
+"""Few-bit activation modules: drop-in subclasses of the torch modules.
+
+Each takes torch's constructor arguments plus ``bits`` and subclasses the torch class, so
+``isinstance`` checks, ``repr`` (plus ``bits``) and ``state_dict`` stay the same.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from . import functional as FB
+from .functional import DEFAULT_BITS
+from .tables import check_bits
+
+__all__ = [
+    "CELU",
+    "ELU",
+    "GELU",
+    "SELU",
+    "Hardshrink",
+    "Hardsigmoid",
+    "Hardswish",
+    "Hardtanh",
+    "LeakyReLU",
+    "LogSigmoid",
+    "Mish",
+    "ReLU",
+    "ReLU6",
+    "SiLU",
+    "Sigmoid",
+    "Softplus",
+    "Softshrink",
+    "Softsign",
+    "Tanh",
+    "Tanhshrink",
+    "Threshold",
+]
+
+
+class _FewBit(nn.Module):
+    """Mixin: the ``bits`` attribute and its ``repr``."""
+
+    bits: int
+
+    def _set_bits(self, bits: int) -> None:
+        self.bits = check_bits(bits)
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        return f"{base}, bits={self.bits}" if base else f"bits={self.bits}"
+
+
+# Piecewise-linear (exact gradient from 1 bit; ``bits`` only checked).
+
+
+class ReLU(_FewBit, nn.ReLU):
+    def __init__(self, inplace: bool = False, bits: int = 1) -> None:
+        nn.ReLU.__init__(self, inplace)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.relu(input, self.inplace, self.bits)
+
+
+class LeakyReLU(_FewBit, nn.LeakyReLU):
+    def __init__(self, negative_slope: float = 0.01, inplace: bool = False, bits: int = 1):
+        nn.LeakyReLU.__init__(self, negative_slope, inplace)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.leaky_relu(input, self.negative_slope, self.inplace, self.bits)
+
+
+class Threshold(_FewBit, nn.Threshold):
+    def __init__(self, threshold: float, value: float, inplace: bool = False, bits: int = 1):
+        nn.Threshold.__init__(self, threshold, value, inplace)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.threshold(input, self.threshold, self.value, self.inplace, self.bits)
+
+
+class Hardtanh(_FewBit, nn.Hardtanh):
+    def __init__(
+        self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False, bits: int = 1
+    ) -> None:
+        nn.Hardtanh.__init__(self, min_val, max_val, inplace)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.hardtanh(input, self.min_val, self.max_val, self.inplace, self.bits)
+
+
+class ReLU6(_FewBit, nn.ReLU6):
+    def __init__(self, inplace: bool = False, bits: int = 1) -> None:
+        nn.ReLU6.__init__(self, inplace)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.relu6(input, self.inplace, self.bits)
+
+
+class Hardsigmoid(_FewBit, nn.Hardsigmoid):
+    def __init__(self, inplace: bool = False, bits: int = 1) -> None:
+        nn.Hardsigmoid.__init__(self, inplace)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.hardsigmoid(input, self.inplace, self.bits)
+
+
+class Hardshrink(_FewBit, nn.Hardshrink):
+    def __init__(self, lambd: float = 0.5, bits: int = 1) -> None:
+        nn.Hardshrink.__init__(self, lambd)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.hardshrink(input, self.lambd, self.bits)
+
+
+class Softshrink(_FewBit, nn.Softshrink):
+    def __init__(self, lambd: float = 0.5, bits: int = 1) -> None:
+        nn.Softshrink.__init__(self, lambd)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.softshrink(input, self.lambd, self.bits)
+
+
+# Continuous (optimal ``bits``-bit derivative tables).
+
+
+class CELU(_FewBit, nn.CELU):
+    def __init__(self, alpha: float = 1.0, inplace: bool = False, bits: int = DEFAULT_BITS):
+        nn.CELU.__init__(self, alpha, inplace)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.celu(input, self.alpha, self.inplace, self.bits)
+
+
+class ELU(_FewBit, nn.ELU):
+    def __init__(self, alpha: float = 1.0, inplace: bool = False, bits: int = DEFAULT_BITS):
+        nn.ELU.__init__(self, alpha, inplace)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.elu(input, self.alpha, self.inplace, self.bits)
+
+
+class GELU(_FewBit, nn.GELU):
+    def __init__(self, approximate: str = "none", bits: int = DEFAULT_BITS) -> None:
+        nn.GELU.__init__(self, approximate)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.gelu(input, self.approximate, self.bits)
+
+
+class Hardswish(_FewBit, nn.Hardswish):
+    def __init__(self, inplace: bool = False, bits: int = DEFAULT_BITS) -> None:
+        nn.Hardswish.__init__(self, inplace)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.hardswish(input, self.inplace, self.bits)
+
+
+class LogSigmoid(_FewBit, nn.LogSigmoid):
+    def __init__(self, bits: int = DEFAULT_BITS) -> None:
+        nn.LogSigmoid.__init__(self)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.logsigmoid(input, self.bits)
+
+
+class Mish(_FewBit, nn.Mish):
+    def __init__(self, inplace: bool = False, bits: int = DEFAULT_BITS) -> None:
+        nn.Mish.__init__(self, inplace)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.mish(input, self.inplace, self.bits)
+
+
+class SELU(_FewBit, nn.SELU):
+    def __init__(self, inplace: bool = False, bits: int = DEFAULT_BITS) -> None:
+        nn.SELU.__init__(self, inplace)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.selu(input, self.inplace, self.bits)
+
+
+class Sigmoid(_FewBit, nn.Sigmoid):
+    def __init__(self, bits: int = DEFAULT_BITS) -> None:
+        nn.Sigmoid.__init__(self)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.sigmoid(input, self.bits)
+
+
+class SiLU(_FewBit, nn.SiLU):
+    def __init__(self, inplace: bool = False, bits: int = DEFAULT_BITS) -> None:
+        nn.SiLU.__init__(self, inplace)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.silu(input, self.inplace, self.bits)
+
+
+class Softplus(_FewBit, nn.Softplus):
+    def __init__(self, beta: float = 1.0, threshold: float = 20.0, bits: int = DEFAULT_BITS):
+        nn.Softplus.__init__(self, beta, threshold)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.softplus(input, self.beta, self.threshold, self.bits)
+
+
+class Softsign(_FewBit, nn.Softsign):
+    def __init__(self, bits: int = DEFAULT_BITS) -> None:
+        nn.Softsign.__init__(self)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.softsign(input, self.bits)
+
+
+class Tanh(_FewBit, nn.Tanh):
+    def __init__(self, bits: int = DEFAULT_BITS) -> None:
+        nn.Tanh.__init__(self)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.tanh(input, self.bits)
+
+
+class Tanhshrink(_FewBit, nn.Tanhshrink):
+    def __init__(self, bits: int = DEFAULT_BITS) -> None:
+        nn.Tanhshrink.__init__(self)
+        self._set_bits(bits)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return FB.tanhshrink(input, self.bits)
