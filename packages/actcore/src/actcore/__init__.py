@@ -2,6 +2,26 @@
 
 from __future__ import annotations
 
+from . import compressors, engine, ops
+from .config import LEVELS, Config, LevelSpec, config, set_optimization_level
+from .convert import ConversionReport, QModule, convert
+from .layers import *  # noqa: F403 - the Q-layers are part of the top-level API
+from .layers import __all__ as _layer_names
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "LEVELS",
+    "Config",
+    "ConversionReport",
+    "LevelSpec",
+    "QModule",
+    "__version__",
+    "compressors",
+    "config",
+    "convert",
+    "engine",
+    "ops",
+    "set_optimization_level",
+    *_layer_names,
+]

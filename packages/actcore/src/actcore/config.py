@@ -1,0 +1,106 @@
+"""Optimization levels of the layer-swap route and the process-wide configuration.
+
+``actcore.set_optimization_level("L3")`` picks the level that Q-layers use unless
+``convert(model, level=...)`` gave them their own. The table of levels is ``LEVELS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class LevelSpec:
+    """What one optimization level does to the activations Q-layers save."""
+
+    name: str
+    conv_bits: int | None  # inputs of conv/linear layers; None keeps full precision
+    norm_bits: int | None  # inputs of batch/layer/group norm layers
+    zero_value: bool = False  # a ReLU output saved by the next layer keeps only its nonzeros
+    adaptive: bool = False  # per-sample / per-layer bits around the average
+    micro_batches: int = 1  # conv backward in this many micro-batches (cuts workspace)
+    swap: bool = False  # saved tensors go to pinned CPU memory, prefetched in backward
+    expandable_segments: bool = False  # PyTorch's allocator setting against fragmentation
+    summary: str = ""
+
+    @property
+    def compresses(self) -> bool:
+        return self.conv_bits is not None or self.norm_bits is not None
+
+
+_L3 = LevelSpec(
+    "L3",
+    conv_bits=2,
+    norm_bits=2,
+    zero_value=True,
+    adaptive=True,
+    summary="2 bits on average, per-sample/per-layer adaptive; ReLU outputs keep only nonzeros",
+)
+
+LEVELS: dict[str, LevelSpec] = {
+    spec.name: spec
+    for spec in (
+        LevelSpec(
+            "L0", None, None, summary="no compression; masks and pooling indices still compact"
+        ),
+        LevelSpec(
+            "L1", 4, None, summary="4-bit conv/linear inputs, normalization in full precision"
+        ),
+        LevelSpec("L2", 4, 4, summary="4-bit conv/linear and normalization inputs"),
+        _L3,
+        replace(_L3, name="L3.1", micro_batches=4, summary="L3 + conv backward in 4 micro-batches"),
+        replace(
+            _L3, name="L4", swap=True, summary="L3 + packed tensors swapped to pinned CPU memory"
+        ),
+        replace(
+            _L3,
+            name="L5",
+            swap=True,
+            expandable_segments=True,
+            summary="L4 + the expandable_segments CUDA allocator against fragmentation",
+        ),
+        LevelSpec(
+            "swap", None, None, swap=True, summary="full-precision activations swapped to CPU"
+        ),
+    )
+}
+
+
+def level_spec(level: str | LevelSpec) -> LevelSpec:
+    """The :class:`LevelSpec` of ``level``, or ValueError listing the valid names."""
+    if isinstance(level, LevelSpec):
+        return level
+    try:
+        return LEVELS[level]
+    except (KeyError, TypeError):
+        valid = ", ".join(LEVELS)
+        raise ValueError(f"unknown optimization level {level!r}; valid levels: {valid}") from None
+
+
+@dataclass
+class Config:
+    """Process-wide settings (ActNN's ``actnn.config``)."""
+
+    level: str = "L3"
+    group_size: int = 256
+    stochastic: bool = True
+    # skip compression of tensors smaller than this many elements (metadata would dominate)
+    min_numel: int = 1024
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def spec(self) -> LevelSpec:
+        return level_spec(self.level)
+
+
+config = Config()
+
+
+def set_optimization_level(level: str) -> None:
+    """Set the level used by Q-layers that were not given one (ValueError if unknown)."""
+    spec = level_spec(level)
+    config.level = spec.name
+    if spec.expandable_segments:
+        from .allocator import enable_expandable_segments
+
+        enable_expandable_segments()

@@ -1,0 +1,131 @@
+"""The save/restore mechanism every Q-layer uses for the tensors it keeps for backward.
+
+``stash(ctx, layer, [(x, role), ...])`` chooses a compressor for each tensor from the
+layer's level (see :mod:`actcore.config`), packs it, and saves the packed tensors with
+``ctx.save_for_backward``; ``unstash(ctx)`` rebuilds them in backward. Two tensors that are
+the same data (same object, unchanged since) packed the same way are packed once, and a
+ReLU output saved by the next layer reuses the ReLU's own 1-bit mask at levels with
+``zero_value`` (its zeros are exactly the mask's).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .compressors import IDENTITY, Compressor, Quantize, Swap, Tensors, ZeroValue
+from .config import LevelSpec, config, level_spec
+
+CONV = "conv"  # inputs of conv / linear layers
+NORM = "norm"  # inputs of normalization layers
+
+
+class _TensorTable:
+    """Per-tensor records that vanish with the tensor and go stale when it is modified."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[weakref.ref, int, dict]] = {}
+
+    def _drop(self, key: int) -> None:
+        self._items.pop(key, None)
+
+    def get(self, x: torch.Tensor) -> dict | None:
+        item = self._items.get(id(x))
+        if item is None or item[0]() is not x or item[1] != x._version:
+            return None
+        return item[2]
+
+    def setdefault(self, x: torch.Tensor) -> dict:
+        found = self.get(x)
+        if found is not None:
+            return found
+        key = id(x)
+        ref = weakref.ref(x, lambda _ref, key=key: self._drop(key))
+        record: dict = {}
+        self._items[key] = (ref, x._version, record)
+        return record
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_records = _TensorTable()
+
+
+def note_mask(output: torch.Tensor, packed_mask: torch.Tensor) -> None:
+    """Record that ``output``'s nonzeros are exactly ``packed_mask`` (a ReLU's own mask)."""
+    _records.setdefault(output)["mask"] = packed_mask
+
+
+def layer_spec(layer: Any) -> LevelSpec:
+    level = getattr(layer, "act_level", None)
+    return level_spec(level if level is not None else config.level)
+
+
+def choose(layer: Any, role: str, x: torch.Tensor) -> Compressor:
+    """The compressor for tensor ``x`` that ``layer`` saves in ``role``."""
+    spec = layer_spec(layer)
+    bits = spec.conv_bits if role == CONV else spec.norm_bits
+    scheme = getattr(layer, "act_scheme", None)
+    if scheme is not None and bits is not None:
+        bits = scheme.bits_for(x, bits)
+    if bits is None or x.numel() < config.min_numel or not x.is_floating_point():
+        base: Compressor = IDENTITY
+    else:
+        base = Quantize(bits, config.group_size, stochastic=config.stochastic)
+        record = _records.get(x) if spec.zero_value else None
+        if record is not None and "mask" in record:
+            base = ZeroValue(record["mask"], Quantize(bits, config.group_size, per_sample=False))
+    return Swap(base) if spec.swap else base
+
+
+def stash(ctx: Any, layer: Any, items: Sequence[tuple[torch.Tensor | None, str | Compressor]]):
+    """Pack and save ``items`` (tensor, role or compressor) on ``ctx`` for :func:`unstash`."""
+    tensors: list[torch.Tensor] = []
+    plan: list[tuple[int, Compressor | None, Any]] = []
+    for x, how in items:
+        if x is None:
+            plan.append((0, None, None))
+            continue
+        comp = how if isinstance(how, Compressor) else choose(layer, how, x)
+        packed, meta = _pack_once(comp, x)
+        plan.append((len(packed), comp, meta))
+        tensors.extend(packed)
+    ctx.save_for_backward(*tensors)
+    ctx.act_plan = plan
+
+
+def _pack_once(comp: Compressor, x: torch.Tensor) -> tuple[Tensors, Any]:
+    """Pack ``x``, or reuse the packing of the same unchanged tensor that is still held."""
+    if comp is IDENTITY:
+        return comp.pack(x)
+    record = _records.setdefault(x)
+    key = comp.key()
+    earlier = record.get(key)
+    if earlier is not None:
+        refs, meta = earlier
+        tensors = tuple(ref() for ref in refs)
+        if all(t is not None for t in tensors):
+            return tensors, meta
+    tensors, meta = comp.pack(x)
+    record[key] = (tuple(weakref.ref(t) for t in tensors), meta)  # weak: never extends life
+    return tensors, meta
+
+
+def unstash(ctx: Any) -> list[torch.Tensor | None]:
+    """The tensors :func:`stash` saved, rebuilt (decompressed) in order."""
+    saved = ctx.saved_tensors
+    out: list[torch.Tensor | None] = []
+    i = 0
+    for n, comp, meta in ctx.act_plan:
+        out.append(None if comp is None else comp.unpack(tuple(saved[i : i + n]), meta))
+        i += n
+    return out
+
+
+def needs_saving(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will need a backward for these inputs (else skip all compression)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

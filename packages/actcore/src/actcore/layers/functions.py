@@ -1,0 +1,360 @@
+"""Autograd functions of the Q-layers.
+
+Each forward computes exactly what the torch layer computes (the same aten op), saves
+through :func:`actcore.engine.stash` (which compresses per the layer's level), and each
+backward calls the public aten backward op of that layer on the restored tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..engine import CONV, IDENTITY, NORM, layer_spec, note_mask, stash, unstash
+
+aten = torch.ops.aten
+
+
+def _empty_like_shape(x: torch.Tensor) -> torch.Tensor:
+    """A zero-byte stand-in with ``x``'s shape, dtype and device (for ops that read sizes)."""
+    return x.new_zeros(()).expand(x.shape)
+
+
+def _micro_batches(layer: Any, x: torch.Tensor) -> int:
+    return max(1, min(layer_spec(layer).micro_batches, x.shape[0] if x.dim() else 1))
+
+
+class ConvFunction(torch.autograd.Function):
+    """Convolution and transposed convolution (aten.convolution / convolution_backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, args):
+        stride, padding, dilation, transposed, output_padding, groups = args
+        out = aten.convolution(
+            x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+        )
+        ctx.layer, ctx.args = layer, args
+        ctx.bias_sizes = None if bias is None else list(bias.shape)
+        ctx.input_meta = _empty_like_shape(x)
+        stash(ctx, layer, [(x if weight.requires_grad else None, CONV), (weight, IDENTITY)])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = unstash(ctx)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        x_for_shape = x if x is not None else ctx.input_meta
+        chunks = _micro_batches(ctx.layer, x_for_shape) if need_w and x is not None else 1
+        results = []
+        for g_part, x_part in zip(grad.chunk(chunks), x_for_shape.chunk(chunks), strict=True):
+            results.append(
+                aten.convolution_backward(
+                    g_part, x_part, weight, ctx.bias_sizes, *ctx.args, [need_x, need_w, need_b]
+                )
+            )
+        gx = torch.cat([r[0] for r in results]) if need_x else None
+        gw = sum(r[1] for r in results) if need_w else None
+        gb = sum(r[2] for r in results) if need_b else None
+        return gx, gw, gb, None, None
+
+
+class LinearFunction(torch.autograd.Function):
+    """``F.linear`` with a compressed input."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        out = torch.nn.functional.linear(x, weight, bias)
+        stash(ctx, layer, [(x if weight.requires_grad else None, CONV), (weight, IDENTITY)])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = unstash(ctx)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gx = grad.matmul(weight) if need_x else None
+        gw = g2.t().mm(x.reshape(-1, x.shape[-1])) if need_w else None
+        gb = g2.sum(0) if need_b else None
+        return gx, gw, gb, None
+
+
+class BatchNormFunction(torch.autograd.Function):
+    """Batch normalization (aten.native_batch_norm and its backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, layer):
+        out, mean, invstd = aten.native_batch_norm(
+            x, weight, bias, running_mean, running_var, training, momentum, eps
+        )
+        ctx.training, ctx.eps, ctx.input_meta = training, eps, _empty_like_shape(x)
+        keep_x = training or (weight is not None and weight.requires_grad)
+        stash(
+            ctx,
+            layer,
+            [
+                (x if keep_x else None, NORM),
+                (weight, IDENTITY),
+                (running_mean, IDENTITY),
+                (running_var, IDENTITY),
+                (mean, IDENTITY),
+                (invstd, IDENTITY),
+            ],
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, running_mean, running_var, mean, invstd = unstash(ctx)
+        mask = list(ctx.needs_input_grad[:3])
+        gx, gw, gb = aten.native_batch_norm_backward(
+            grad,
+            x if x is not None else ctx.input_meta,
+            weight,
+            running_mean,
+            running_var,
+            mean,
+            invstd,
+            ctx.training,
+            ctx.eps,
+            mask,
+        )
+        return gx, gw, gb, None, None, None, None, None, None
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """Layer normalization (aten.native_layer_norm and its backward)."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, bias, eps, layer):
+        out, mean, rstd = aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        ctx.normalized_shape = normalized_shape
+        stash(
+            ctx,
+            layer,
+            [(x, NORM), (weight, IDENTITY), (bias, IDENTITY), (mean, IDENTITY), (rstd, IDENTITY)],
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias, mean, rstd = unstash(ctx)
+        need_x, need_w, need_b = (ctx.needs_input_grad[i] for i in (0, 2, 3))
+        gx, gw, gb = aten.native_layer_norm_backward(
+            grad, x, ctx.normalized_shape, mean, rstd, weight, bias, [need_x, need_w, need_b]
+        )
+        return gx, None, gw, gb, None, None
+
+
+class GroupNormFunction(torch.autograd.Function):
+    """Group normalization (aten.native_group_norm and its backward)."""
+
+    @staticmethod
+    def forward(ctx, x, num_groups, weight, bias, eps, layer):
+        n, c = x.shape[0], x.shape[1]
+        hw = math.prod(x.shape[2:])
+        out, mean, rstd = aten.native_group_norm(x, weight, bias, n, c, hw, num_groups, eps)
+        ctx.sizes = (n, c, hw, num_groups)
+        stash(ctx, layer, [(x, NORM), (weight, IDENTITY), (mean, IDENTITY), (rstd, IDENTITY)])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, mean, rstd = unstash(ctx)
+        mask = [ctx.needs_input_grad[i] for i in (0, 2, 3)]
+        gx, gw, gb = aten.native_group_norm_backward(grad, x, mean, rstd, weight, *ctx.sizes, mask)
+        return gx, None, gw, gb, None, None
+
+
+class MaskedActivationFunction(torch.autograd.Function):
+    """Activations whose derivative takes two values, kept as a 1-bit mask.
+
+    ``kind`` is one of ``relu``, ``leaky_relu`` (``param`` = slope), ``hardtanh``
+    (``param`` = (min, max)); the backward matches torch's own, kink conventions included.
+    """
+
+    @staticmethod
+    def forward(ctx, x, kind, param, inplace, layer):
+        if kind == "relu":
+            out = torch.relu_(x) if inplace else torch.relu(x)
+            mask = ~(out <= 0)  # as torch's threshold_backward: NaN passes the gradient
+        elif kind == "leaky_relu":
+            mask = x > 0
+            out = torch.nn.functional.leaky_relu(x, param, inplace=inplace)
+        else:
+            lo, hi = param
+            mask = ~((x <= lo) | (x >= hi))
+            out = torch.nn.functional.hardtanh(x, lo, hi, inplace=inplace)
+        if inplace:
+            ctx.mark_dirty(x)
+        packed = ops.pack_mask(mask)
+        ctx.kind, ctx.param, ctx.shape = kind, param, x.shape
+        stash(ctx, layer, [(packed, IDENTITY)])
+        ctx.act_mask = packed  # read back by the module: see note_output_mask
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (packed,) = unstash(ctx)
+        mask = ops.unpack_mask(packed, ctx.shape)
+        if ctx.kind == "leaky_relu":
+            return torch.where(mask, grad, grad * ctx.param), None, None, None, None
+        return torch.where(mask, grad, 0), None, None, None, None
+
+
+def note_output_mask(out: torch.Tensor) -> torch.Tensor:
+    """Record that a ReLU output's nonzeros are its 1-bit mask's, for the next layer.
+
+    Called after ``apply`` returns: autograd bumps an in-place output's version once
+    more after ``forward``, and the record must match the version the next layer sees.
+    """
+    node = out.grad_fn
+    packed = getattr(node, "act_mask", None)
+    if packed is not None:
+        note_mask(out, packed)
+    return out
+
+
+class DropoutFunction(torch.autograd.Function):
+    """Dropout with its mask at 1 bit; same random stream and output as ``F.dropout``."""
+
+    @staticmethod
+    def forward(ctx, x, p, inplace, layer):
+        ctx.p, ctx.shape, ctx.dtype = p, x.shape, x.dtype
+        if x.device.type in ("cuda", "xpu") and x.numel() > 0:
+            out, mask = aten.native_dropout(x, p, True)  # what F.dropout runs there
+            if inplace:
+                x.copy_(out)
+                out = x
+        else:  # F.dropout on CPU: x * (bernoulli(1 - p) / (1 - p))
+            noise = torch.empty_like(x).bernoulli_(1 - p)
+            mask = noise.bool()
+            noise.div_(1 - p)
+            out = x.mul_(noise) if inplace else x * noise
+        if inplace:
+            ctx.mark_dirty(x)
+        stash(ctx, layer, [(ops.pack_mask(mask), IDENTITY)])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (packed,) = unstash(ctx)
+        mask = ops.unpack_mask(packed, ctx.shape)
+        if grad.device.type in ("cuda", "xpu"):
+            return aten.native_dropout_backward(grad, mask, 1.0 / (1 - ctx.p)), None, None, None
+        noise = mask.to(ctx.dtype).div_(1 - ctx.p)
+        return grad * noise, None, None, None
+
+
+class MaxPoolFunction(torch.autograd.Function):
+    """Max pooling that keeps each output's argmax as its offset inside the window.
+
+    The offset needs ``ceil(log2(window size))`` bits per output element instead of an
+    int64 flat index; backward rebuilds the flat indices for the aten backward op.
+    """
+
+    @staticmethod
+    def forward(ctx, x, kernel, stride, padding, dilation, ceil_mode, layer):
+        nd = len(kernel)
+        pool = torch.nn.functional.max_pool2d if nd == 2 else torch.nn.functional.max_pool3d
+        out, index = pool(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
+        window = math.prod(kernel)
+        bits = max(1, math.ceil(math.log2(window)))
+        ctx.geometry = (kernel, stride, padding, dilation, ceil_mode)
+        ctx.input_meta = _empty_like_shape(x)
+        ctx.out_shape, ctx.bits = out.shape, bits
+        offset = _window_offset(index, x.shape[-nd:], *ctx.geometry[:4])
+        if bits <= 8:
+            saved = ops.pack_bits(offset.to(torch.uint8), bits)
+        else:
+            saved = offset.to(torch.int16 if window <= 2**15 else torch.int32)
+        stash(ctx, layer, [(saved, IDENTITY)])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (saved,) = unstash(ctx)
+        if ctx.bits <= 8:
+            offset = ops.unpack_bits(saved, ctx.bits, math.prod(ctx.out_shape))
+            offset = offset.view(ctx.out_shape).long()
+        else:
+            offset = saved.long()
+        kernel, stride, padding, dilation, ceil_mode = ctx.geometry
+        nd = len(kernel)
+        x_meta = ctx.input_meta
+        index = _flat_index(offset, x_meta.shape[-nd:], kernel, stride, padding, dilation)
+        backward = (
+            aten.max_pool2d_with_indices_backward
+            if nd == 2
+            else aten.max_pool3d_with_indices_backward
+        )
+        gx = backward(grad, x_meta, kernel, stride, padding, dilation, ceil_mode, index)
+        return gx, None, None, None, None, None, None
+
+
+def _window_starts(out_shape, stride, padding, device) -> list[torch.Tensor]:
+    """Per spatial dim, the (broadcastable) input coordinate where each window starts."""
+    nd = len(stride)
+    starts = []
+    for d in range(nd):
+        size = out_shape[-nd + d]
+        view = [1] * nd
+        view[d] = size
+        pos = torch.arange(size, device=device) * stride[d] - padding[d]
+        starts.append(pos.view(view))
+    return starts
+
+
+def _window_offset(index, in_spatial, kernel, stride, padding, dilation) -> torch.Tensor:
+    """Flat input index (per plane) -> offset inside the pooling window."""
+    nd = len(kernel)
+    starts = _window_starts(index.shape, stride, padding, index.device)
+    offset = torch.zeros_like(index)
+    rest = index
+    coords = []
+    for d in reversed(range(nd)):  # peel coordinates, last dim first
+        coords.append(rest % in_spatial[d])
+        rest = rest // in_spatial[d]
+    coords.reverse()
+    for d in range(nd):
+        offset = offset * kernel[d] + (coords[d] - starts[d]) // dilation[d]
+    return offset
+
+
+def _flat_index(offset, in_spatial, kernel, stride, padding, dilation) -> torch.Tensor:
+    """Offset inside the pooling window -> flat input index (per plane)."""
+    nd = len(kernel)
+    starts = _window_starts(offset.shape, stride, padding, offset.device)
+    index = torch.zeros_like(offset)
+    rest = offset
+    within = []
+    for d in reversed(range(nd)):
+        within.append(rest % kernel[d])
+        rest = rest // kernel[d]
+    within.reverse()
+    for d in range(nd):
+        index = index * in_spatial[d] + starts[d] + within[d] * dilation[d]
+    return index
+
+
+class AvgPoolFunction(torch.autograd.Function):
+    """Average pooling that saves nothing: its backward needs only the input's shape."""
+
+    @staticmethod
+    def forward(ctx, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor, layer):
+        nd = len(kernel)
+        if nd == 2:
+            out = aten.avg_pool2d(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor)
+        else:
+            out = aten.avg_pool3d(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor)
+        ctx.args = (kernel, stride, padding, ceil_mode, count_include_pad, divisor)
+        ctx.input_meta = _empty_like_shape(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        backward = aten.avg_pool2d_backward if len(ctx.args[0]) == 2 else aten.avg_pool3d_backward
+        gx = backward(grad, ctx.input_meta, *ctx.args)
+        return gx, None, None, None, None, None, None, None

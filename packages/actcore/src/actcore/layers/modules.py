@@ -1,0 +1,325 @@
+"""Q-layers: drop-in subclasses of torch's layers that save compressed activations.
+
+Each subclasses its torch counterpart (same constructor, parameters, buffers and
+``state_dict`` keys; ``isinstance`` still holds) and computes the same forward output.
+Without a pending backward (``torch.no_grad``, nothing requires grad) or at a level that
+keeps this layer's tensors as they are, it *is* the torch layer: no extra work at all.
+``act_level`` (None: the process-wide level) selects the level per layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.utils import _ntuple
+
+from ..engine import layer_spec, needs_saving
+from .functions import (
+    AvgPoolFunction,
+    BatchNormFunction,
+    ConvFunction,
+    DropoutFunction,
+    GroupNormFunction,
+    LayerNormFunction,
+    LinearFunction,
+    MaskedActivationFunction,
+    MaxPoolFunction,
+    note_output_mask,
+)
+
+
+class QLayer:
+    """Mixin of every Q-layer: its level and per-layer compression state."""
+
+    act_level: str | None = None
+    act_scheme: Any = None
+
+    def _compresses(self, *tensors: torch.Tensor | None) -> bool:
+        spec = layer_spec(self)
+        return (spec.compresses or spec.swap) and needs_saving(*tensors)
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()  # type: ignore[misc]
+        return base if self.act_level is None else f"{base}, act_level={self.act_level!r}"
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why a configuration of ``module`` cannot be taken by its Q-layer (None if it can)."""
+    if isinstance(module, nn.modules.conv._ConvNd) and module.padding == "same":
+        totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size, strict=True)]
+        if any(t % 2 for t in totals):
+            return "padding='same' with an even receptive field pads asymmetrically"
+    if isinstance(module, nn.modules.pooling._MaxPoolNd) and module.return_indices:
+        return "return_indices=True hands the int64 indices to the caller"
+    return None
+
+
+def _numeric_padding(module: nn.modules.conv._ConvNd) -> tuple[int, ...]:
+    if module.padding == "valid":
+        return (0,) * len(module.kernel_size)
+    if module.padding == "same":
+        return tuple(
+            d * (k - 1) // 2 for d, k in zip(module.dilation, module.kernel_size, strict=True)
+        )
+    return tuple(module.padding)
+
+
+class _QConvNd(QLayer):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self._compresses(input, self.weight, self.bias):
+            return super().forward(input)
+        nd = len(self.kernel_size)
+        if self.padding_mode != "zeros":  # torch pads first, then convolves without padding
+            input = nn.functional.pad(
+                input, self._reversed_padding_repeated_twice, self.padding_mode
+            )
+            padding = (0,) * nd
+        else:
+            padding = _numeric_padding(self)
+        args = (self.stride, padding, self.dilation, False, (0,) * nd, self.groups)
+        return ConvFunction.apply(input, self.weight, self.bias, self, args)
+
+
+class QConv1d(_QConvNd, nn.Conv1d):
+    pass
+
+
+class QConv2d(_QConvNd, nn.Conv2d):
+    pass
+
+
+class QConv3d(_QConvNd, nn.Conv3d):
+    pass
+
+
+class _QConvTransposeNd(QLayer):
+    def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        if not self._compresses(input, self.weight, self.bias):
+            return super().forward(input, output_size)
+        nd = len(self.kernel_size)
+        output_padding = self._output_padding(
+            input, output_size, self.stride, self.padding, self.kernel_size, nd, self.dilation
+        )
+        args = (self.stride, self.padding, self.dilation, True, output_padding, self.groups)
+        return ConvFunction.apply(input, self.weight, self.bias, self, args)
+
+
+class QConvTranspose1d(_QConvTransposeNd, nn.ConvTranspose1d):
+    pass
+
+
+class QConvTranspose2d(_QConvTransposeNd, nn.ConvTranspose2d):
+    pass
+
+
+class QConvTranspose3d(_QConvTransposeNd, nn.ConvTranspose3d):
+    pass
+
+
+class QLinear(QLayer, nn.Linear):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self._compresses(input, self.weight, self.bias):
+            return super().forward(input)
+        return LinearFunction.apply(input, self.weight, self.bias, self)
+
+
+class _QBatchNorm(QLayer):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self._compresses(input, self.weight, self.bias):
+            return super().forward(input)
+        self._check_input_dim(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # a cumulative moving average
+                factor = 1.0 / float(self.num_batches_tracked)
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        keep_running = not self.training or self.track_running_stats
+        if use_batch_stats and input.numel() // input.shape[1] == 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got input size {input.size()}"
+            )
+        return BatchNormFunction.apply(
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean if keep_running else None,
+            self.running_var if keep_running else None,
+            use_batch_stats,
+            factor,
+            self.eps,
+            self,
+        )
+
+
+class QBatchNorm1d(_QBatchNorm, nn.BatchNorm1d):
+    pass
+
+
+class QBatchNorm2d(_QBatchNorm, nn.BatchNorm2d):
+    pass
+
+
+class QBatchNorm3d(_QBatchNorm, nn.BatchNorm3d):
+    pass
+
+
+class QLayerNorm(QLayer, nn.LayerNorm):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self._compresses(input, self.weight, self.bias):
+            return super().forward(input)
+        return LayerNormFunction.apply(
+            input, list(self.normalized_shape), self.weight, self.bias, self.eps, self
+        )
+
+
+class QGroupNorm(QLayer, nn.GroupNorm):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self._compresses(input, self.weight, self.bias):
+            return super().forward(input)
+        if input.device.type == "cpu":  # the layout torch's group_norm hands its kernel
+            input = input.contiguous(memory_format=input.suggest_memory_format())
+        else:
+            input = input.contiguous()
+        return GroupNormFunction.apply(
+            input, self.num_groups, self.weight, self.bias, self.eps, self
+        )
+
+
+class _QMasked(QLayer):
+    """Two-valued derivative: a 1-bit mask at every level (exact)."""
+
+    def _kind(self) -> tuple[str, Any]:
+        raise NotImplementedError
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not needs_saving(input):
+            return super().forward(input)
+        kind, param = self._kind()
+        out = MaskedActivationFunction.apply(input, kind, param, self.inplace, self)
+        return note_output_mask(out) if kind == "relu" else out
+
+
+class QReLU(_QMasked, nn.ReLU):
+    def _kind(self):
+        return "relu", None
+
+
+class QLeakyReLU(_QMasked, nn.LeakyReLU):
+    def _kind(self):
+        return "leaky_relu", self.negative_slope
+
+
+class QHardtanh(_QMasked, nn.Hardtanh):
+    def _kind(self):
+        return "hardtanh", (self.min_val, self.max_val)
+
+
+class QReLU6(_QMasked, nn.ReLU6):
+    def _kind(self):
+        return "hardtanh", (self.min_val, self.max_val)
+
+
+class QDropout(QLayer, nn.Dropout):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not (self.training and 0 < self.p < 1 and needs_saving(input)):
+            return super().forward(input)
+        return DropoutFunction.apply(input, self.p, self.inplace, self)
+
+
+def _unsqueezed_1d(fn, input: torch.Tensor, *args) -> torch.Tensor:
+    return fn(input.unsqueeze(-2), *args).squeeze(-2)
+
+
+class _QMaxPoolNd(QLayer):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.return_indices or not needs_saving(input):
+            return super().forward(input)
+        nd = self._nd
+        tup = _ntuple(nd)
+        kernel = tup(self.kernel_size)
+        stride = tup(self.stride if self.stride is not None else self.kernel_size)
+        geometry = (kernel, stride, tup(self.padding), tup(self.dilation))
+        if nd == 1:  # torch pools 1-d as 2-d over a unit height
+            geometry = tuple((1 if i != 2 else 0, *g) for i, g in enumerate(geometry))
+            return _unsqueezed_1d(
+                lambda x: MaxPoolFunction.apply(x, *geometry, self.ceil_mode, self), input
+            )
+        return MaxPoolFunction.apply(input, *geometry, self.ceil_mode, self)
+
+
+class QMaxPool1d(_QMaxPoolNd, nn.MaxPool1d):
+    _nd = 1
+
+
+class QMaxPool2d(_QMaxPoolNd, nn.MaxPool2d):
+    _nd = 2
+
+
+class QMaxPool3d(_QMaxPoolNd, nn.MaxPool3d):
+    _nd = 3
+
+
+class _QAvgPoolNd(QLayer):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not needs_saving(input):
+            return super().forward(input)
+        nd = self._nd
+        tup = _ntuple(nd)
+        kernel = tup(self.kernel_size)
+        stride = tup(self.stride if self.stride is not None else self.kernel_size)
+        padding = tup(self.padding)
+        divisor = getattr(self, "divisor_override", None)
+        if nd == 1:
+            kernel, stride, padding = (1, *kernel), (1, *stride), (0, *padding)
+            return _unsqueezed_1d(
+                lambda x: AvgPoolFunction.apply(
+                    x, kernel, stride, padding, self.ceil_mode, self.count_include_pad, None, self
+                ),
+                input,
+            )
+        return AvgPoolFunction.apply(
+            input, kernel, stride, padding, self.ceil_mode, self.count_include_pad, divisor, self
+        )
+
+
+class QAvgPool1d(_QAvgPoolNd, nn.AvgPool1d):
+    _nd = 1
+
+
+class QAvgPool2d(_QAvgPoolNd, nn.AvgPool2d):
+    _nd = 2
+
+
+class QAvgPool3d(_QAvgPoolNd, nn.AvgPool3d):
+    _nd = 3
+
+
+# torch layer -> Q-layer, most specific first (ReLU6 before Hardtanh)
+Q_LAYERS: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Conv1d: QConv1d,
+    nn.Conv2d: QConv2d,
+    nn.Conv3d: QConv3d,
+    nn.ConvTranspose1d: QConvTranspose1d,
+    nn.ConvTranspose2d: QConvTranspose2d,
+    nn.ConvTranspose3d: QConvTranspose3d,
+    nn.Linear: QLinear,
+    nn.BatchNorm1d: QBatchNorm1d,
+    nn.BatchNorm2d: QBatchNorm2d,
+    nn.BatchNorm3d: QBatchNorm3d,
+    nn.LayerNorm: QLayerNorm,
+    nn.GroupNorm: QGroupNorm,
+    nn.ReLU: QReLU,
+    nn.LeakyReLU: QLeakyReLU,
+    nn.ReLU6: QReLU6,
+    nn.Hardtanh: QHardtanh,
+    nn.Dropout: QDropout,
+    nn.MaxPool1d: QMaxPool1d,
+    nn.MaxPool2d: QMaxPool2d,
+    nn.MaxPool3d: QMaxPool3d,
+    nn.AvgPool1d: QAvgPool1d,
+    nn.AvgPool2d: QAvgPool2d,
+    nn.AvgPool3d: QAvgPool3d,
+}
