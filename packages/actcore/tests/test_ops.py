@@ -328,6 +328,16 @@ def test_bit_packing_round_trip_and_size(bits):
     assert torch.equal(ops.unpack_bits(packed, bits, 10), values[:10])
 
 
+@pytest.mark.parametrize("start", range(1, 8))
+def test_bit_packing_of_unaligned_views(start):
+    """A contiguous uint8 view whose data does not start on an 8-byte boundary."""
+    base = torch.randint(0, 4, (start + 16,), dtype=torch.uint8)
+    view = base[start : start + 16]
+    assert torch.equal(ops.unpack_bits(ops.pack_bits(view, 2), 2, 16), view)
+    mask = base.bool()[start : start + 16]
+    assert torch.equal(ops.unpack_mask(ops.pack_mask(mask), (16,)), mask)
+
+
 def test_bit_plane_layout():
     values = torch.tensor([1, 2, 3, 0, 0, 0, 0, 2], dtype=torch.uint8)
     # byte j holds bit j of the 8 values, value t in bit t

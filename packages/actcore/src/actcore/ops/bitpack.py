@@ -39,7 +39,10 @@ def pack_bits_reference(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 ``values`` (each < 2**bits) into a flat uint8 tensor."""
     flat = values.reshape(-1)
     pad = (-flat.numel()) % 8
-    flat = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.contiguous()
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    elif not flat.is_contiguous() or flat.data_ptr() % 8:  # int64 view needs alignment
+        flat = flat.clone()
     words = _as_words(flat)
     out = torch.empty((words.numel(), bits), dtype=torch.uint8, device=values.device)
     for j in range(bits):

@@ -102,7 +102,10 @@ def quantize_reference(
         g = xb.view(r, gb, group_size)
         lo_b = round_to_bf16(g.amin(-1), up=False)
         lo_c = lo_b.to(cdt).unsqueeze(-1)
-        step_b = round_to_bf16((g.amax(-1, keepdim=True) - lo_c).squeeze(-1) / levels, up=True)
+        # divide by a tensor, not a Python number: CUDA turns division by a scalar into a
+        # multiplication by its reciprocal, which would make the step device-dependent
+        span = (g.amax(-1, keepdim=True) - lo_c).squeeze(-1)
+        step_b = round_to_bf16(span / span.new_full((), levels), up=True)
         step_c = step_b.to(cdt).unsqueeze(-1)
         v = (g - lo_c).div_(step_c)
         v.masked_fill_(step_c == 0, 0.0)  # a constant group: every code is 0
