@@ -2,7 +2,8 @@
 
 Each op has a schema, a fake (meta) kernel so ``torch.compile`` and FakeTensor tracing see
 its output shapes, and the pure-PyTorch reference as the implementation for every device.
-Native kernels (CUDA, ``csrc/``) register themselves for their device on top of these.
+Native kernels (CUDA, ``csrc/``) register themselves for their device on top of these: the
+first call on a CUDA tensor loads them (:mod:`actcore.native.loader`) and hands over.
 The ops take already-validated arguments; :mod:`actcore.ops.api` is the checked front end.
 """
 
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..native import loader as _native
 from .bitpack import pack_bits_reference, packed_nbytes, unpack_bits_reference
 from .noise import uniform_noise
 from .quantization import (
@@ -29,6 +31,8 @@ def quantize(
     x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, per_sample: bool
 ) -> _Tensors3:
     """Per-group k-bit quantization: returns (payload uint8, lo bf16, step bf16)."""
+    if x.is_cuda and _native.ready("quantize"):  # first CUDA use: load the CUDA kernels
+        return _native.call("quantize", x, bits, group_size, stochastic, seed, per_sample)
     return quantize_reference(x, bits, group_size, stochastic, seed, per_sample)
 
 
@@ -53,6 +57,9 @@ def dequantize(
     per_sample: bool,
 ) -> torch.Tensor:
     """Inverse of ``quantize``: a tensor of ``shape`` and ``dtype`` on the payload's device."""
+    if payload.is_cuda and _native.ready("dequantize"):
+        args = (payload, lo, step, bits, group_size, shape, dtype, per_sample)
+        return _native.call("dequantize", *args)
     return dequantize_reference(payload, lo, step, bits, group_size, shape, dtype, per_sample)
 
 
@@ -64,6 +71,8 @@ def _dequantize_fake(payload, lo, step, bits, group_size, shape, dtype, per_samp
 @torch.library.custom_op("actcore::pack_bits", mutates_args=())
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 values below 2**bits into ``ceil(n / 8) * bits`` bytes."""
+    if values.is_cuda and _native.ready("pack_bits"):
+        return _native.call("pack_bits", values, bits)
     return pack_bits_reference(values, bits)
 
 
@@ -75,6 +84,8 @@ def _pack_bits_fake(values, bits):
 @torch.library.custom_op("actcore::unpack_bits", mutates_args=())
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """The first ``numel`` values of a ``pack_bits`` payload, as a flat uint8 tensor."""
+    if packed.is_cuda and _native.ready("unpack_bits"):
+        return _native.call("unpack_bits", packed, bits, numel)
     return unpack_bits_reference(packed, bits, numel)
 
 
@@ -86,6 +97,8 @@ def _unpack_bits_fake(packed, bits, numel):
 @torch.library.custom_op("actcore::hash_uniform", mutates_args=())
 def hash_uniform(index: torch.Tensor, seed: int) -> torch.Tensor:
     """The stochastic-rounding noise in [0, 1) of int64 element indices, as float32."""
+    if index.is_cuda and _native.ready("hash_uniform"):
+        return _native.call("hash_uniform", index, seed)
     return uniform_noise(index, seed)
 
 

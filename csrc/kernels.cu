@@ -1,0 +1,486 @@
+// CUDA kernels of actcore's ops, bit-exact with the pure-PyTorch reference
+// (packages/actcore/src/actcore/ops/{quantization,bitpack,noise}.py).
+//
+// Exactness rests on IEEE-754 behaviour and on doing the reference's float operations in
+// the reference's order:
+// * every rounding step is an explicit round-to-nearest intrinsic (__fsub_rn, __fdiv_rn,
+//   __dmul_rn, ...), which nvcc never contracts into a fused multiply-add; the build also
+//   passes --fmad=false, --ftz=false (denormals kept, as on the CPU), --prec-div=true;
+// * the per-group step is divided by (2**bits - 1) with a true IEEE division, as the CPU
+//   reference does (PyTorch's CUDA `tensor / python_scalar` multiplies by the reciprocal
+//   instead, so the reference run *on a GPU* can differ from this kernel in the last bit
+//   of a step before its rounding to bfloat16: compare against the reference on CPU);
+// * min/max are exact in any order; signed zeros are ordered (-0 < +0) so the result does
+//   not depend on the reduction order; a NaN anywhere in a group propagates, as in torch;
+// * NaN bit patterns (sign, payload) are not part of the contract: any NaN is a NaN.
+// fp16 and bf16 inputs are computed in float32, fp64 in float64, as in the reference.
+// Indexing is 64-bit throughout (grid-stride loops over int64 counters).
+
+#include "actcore_native.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace actcore_native {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlock = kThreads / 32;
+constexpr int64_t kMaxBlocks = int64_t{1} << 20;  // grid-stride loops cover the rest
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// ---------------------------------------------------------------- noise (noise.py)
+constexpr uint32_t kMultA = 0x21F0AAADu;
+constexpr uint32_t kMultB = 0x735A2D97u;
+
+// mix32 after its first xor-shift.
+__device__ __forceinline__ uint32_t mix_tail(uint32_t x) {
+  x *= kMultA;
+  x ^= x >> 15;
+  x *= kMultB;
+  return x ^ (x >> 15);
+}
+
+__device__ __forceinline__ uint32_t mix32(uint32_t x) { return mix_tail(x ^ (x >> 16)); }
+
+// The reference's mix32 of a signed 64-bit word (the block number of a negative index):
+// its first xor-shift is arithmetic on 64 bits, and only the low 32 bits of that reach the
+// multiplication. Equal to mix32 for words in [0, 2**32).
+__device__ __forceinline__ uint32_t mix64(int64_t x) {
+  return mix_tail(static_cast<uint32_t>(x ^ (x >> 16)));
+}
+
+__device__ __forceinline__ uint32_t block_key(int64_t seed, int64_t hi) {
+  return mix32(mix64(hi ^ (seed >> 32)) ^ static_cast<uint32_t>(seed));
+}
+
+// Hashes element indices under one seed, caching the key of the current block of 2**32.
+struct NoiseStream {
+  int64_t seed;
+  int64_t hi;
+  uint32_t key;
+
+  __device__ explicit NoiseStream(int64_t s) : seed(s), hi(0), key(block_key(s, 0)) {}
+
+  __device__ __forceinline__ uint32_t hash(int64_t index) {
+    const int64_t h = index >> 32;
+    if (h != hi) {
+      hi = h;
+      key = block_key(seed, h);
+    }
+    return mix32(static_cast<uint32_t>(index) ^ key);
+  }
+};
+
+// (h >> 8) * 2**-24: exact in float32 and float64.
+__device__ __forceinline__ float uniform_f32(uint32_t h) {
+  return __fmul_rn(static_cast<float>(h >> 8), 5.9604644775390625e-08f);
+}
+__device__ __forceinline__ void uniform(uint32_t h, float& u) { u = uniform_f32(h); }
+__device__ __forceinline__ void uniform(uint32_t h, double& u) {
+  u = __dmul_rn(static_cast<double>(h >> 8), 5.9604644775390625e-08);
+}
+
+// ---------------------------------------------------------------- float helpers
+__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float floor_(float a) { return floorf(a); }
+__device__ __forceinline__ double floor_(double a) { return ::floor(a); }
+
+// NaN-propagating min/max that order -0 below +0: associative and commutative, so any
+// reduction order gives the same value.
+template <typename T>
+__device__ __forceinline__ T min_nan(T a, T b) {
+  if (isnan(a)) return a;
+  if (isnan(b)) return b;
+  return (b < a || (b == a && signbit(b))) ? b : a;
+}
+template <typename T>
+__device__ __forceinline__ T max_nan(T a, T b) {
+  if (isnan(a)) return a;
+  if (isnan(b)) return b;
+  return (b > a || (b == a && !signbit(b))) ? b : a;
+}
+
+// bfloat16 rounding toward -inf of a float32 (quantization.round_to_bf16(up=False)):
+// keep the upper half of the bits; a negative inexact value gains one ulp of magnitude.
+// NaN converts as torch's .to(bfloat16) does on this device.
+__device__ __forceinline__ uint16_t bf16_down(float t) {
+  if (isnan(t)) return c10::BFloat16(t).x;
+  const int32_t bits = __float_as_int(t);
+  int32_t top = bits >> 16;  // arithmetic shift
+  if ((bits & 0xFFFF) != 0 && bits < 0) top += 1;
+  return static_cast<uint16_t>(top);
+}
+
+// float64: first the largest float32 <= t (quantization._to_float32_directed), then as above.
+__device__ __forceinline__ uint16_t bf16_down(double t) {
+  float f = __double2float_rn(t);
+  if (static_cast<double>(f) > t) f = nextafterf(f, -INFINITY);
+  return bf16_down(f);
+}
+
+// Toward +inf: -round_down(-t), the reference's definition.
+template <typename T>
+__device__ __forceinline__ uint16_t bf16_up(T t) {
+  return static_cast<uint16_t>(bf16_down(-t) ^ 0x8000u);
+}
+
+__device__ __forceinline__ void from_bf16(uint16_t bits, float& v) {
+  v = __int_as_float(static_cast<int32_t>(static_cast<uint32_t>(bits) << 16));
+}
+__device__ __forceinline__ void from_bf16(uint16_t bits, double& v) {
+  float f;
+  from_bf16(bits, f);
+  v = static_cast<double>(f);
+}
+
+template <typename scalar_t>
+struct Compute {
+  using type = float;
+};
+template <>
+struct Compute<double> {
+  using type = double;
+};
+
+// ---------------------------------------------------------------- bit planes (bitpack.py)
+constexpr uint64_t kLowBits = 0x0101010101010101ull;
+
+// Bit j of each of the 8 bytes of w, as one byte (value t of the block in bit t).
+__device__ __forceinline__ uint8_t gather_plane(uint64_t w, int j) {
+  uint64_t x = (w >> j) & kLowBits;
+  x = (x | (x >> 7)) & 0x0303030303030303ull;
+  x = (x | (x >> 14)) & 0x0000000F0000000Full;
+  x = (x | (x >> 28)) & 0xFFull;
+  return static_cast<uint8_t>(x);
+}
+
+// Inverse: bit t of b to bit 0 of byte t.
+__device__ __forceinline__ uint64_t scatter_plane(uint8_t b) {
+  uint64_t x = b;
+  x = (x | (x << 28)) & 0x0000000F0000000Full;
+  x = (x | (x << 14)) & 0x0003000300030003ull;
+  x = (x | (x << 7)) & kLowBits;
+  return x;
+}
+
+// ---------------------------------------------------------------- loads and stores
+// 8 consecutive elements, `valid` of them real. `vec`: the 8 elements start on a
+// 16-byte boundary, so full blocks load as 16-byte words.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void load8(const scalar_t* __restrict__ p, int valid, bool vec,
+                                      acc_t (&v)[8]) {
+  if (vec && valid == 8) {
+    constexpr int kWords = static_cast<int>(sizeof(scalar_t)) * 8 / 16;
+    uint4 words[kWords];
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) words[i] = q[i];
+    scalar_t s[8];
+    memcpy(s, words, sizeof(s));
+#pragma unroll
+    for (int t = 0; t < 8; ++t) v[t] = static_cast<acc_t>(s[t]);
+  } else {
+#pragma unroll
+    for (int t = 0; t < 8; ++t) v[t] = t < valid ? static_cast<acc_t>(p[t]) : acc_t(0);
+  }
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ void store8(scalar_t* __restrict__ p, int valid, bool vec,
+                                       const scalar_t (&s)[8]) {
+  if (vec && valid == 8) {
+    constexpr int kWords = static_cast<int>(sizeof(scalar_t)) * 8 / 16;
+    uint4 words[kWords];
+    memcpy(words, s, sizeof(words));
+    uint4* q = reinterpret_cast<uint4*>(p);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) q[i] = words[i];
+  } else {
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      if (t < valid) p[t] = s[t];
+    }
+  }
+}
+
+// ---------------------------------------------------------------- quantize
+// floor((x - lo) / step + u), 0 for a constant group, clamped to [0, levels], NaN -> 0:
+// quantization.quantize_reference, operation for operation.
+template <typename acc_t>
+__device__ __forceinline__ uint32_t quantize_code(acc_t x, acc_t lo, acc_t step, acc_t u,
+                                                  acc_t levels) {
+  acc_t v = div_rn(sub_rn(x, lo), step);
+  if (step == acc_t(0)) v = acc_t(0);
+  v = floor_(add_rn(v, u));
+  if (isnan(v)) return 0;
+  v = v < acc_t(0) ? acc_t(0) : (v > levels ? levels : v);
+  return static_cast<uint32_t>(v);
+}
+
+// One group per `lanes` lanes of a warp (a power of two <= 32; 32 / lanes groups per
+// warp); each lane takes blocks of 8 elements of its group. Min and max come from the
+// values the lane holds in registers, reduced with warp shuffles, and the same registers
+// are quantized and packed when the group fits in one block per lane (group_size <= 256);
+// larger groups are read a second time (from cache) for the codes.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    quantize_kernel(const QuantizeArgs a, const int lanes, const bool vec) {
+  using acc_t = typename Compute<scalar_t>::type;
+  const scalar_t* __restrict__ x = static_cast<const scalar_t*>(a.x);
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int slot = lane / lanes;
+  const int l = lane % lanes;
+  const int groups_per_warp = 32 / lanes;
+  const int64_t groups_per_row = (a.cols + a.group_size - 1) / a.group_size;
+  const int64_t total = a.rows * groups_per_row;
+  const int64_t row_bytes = (a.cols + 7) / 8 * a.bits;
+  const acc_t levels = static_cast<acc_t>((1 << a.bits) - 1);
+  const acc_t half = acc_t(0.5);
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock * groups_per_warp;
+  NoiseStream noise(a.seed);
+
+  for (int64_t first = warp * groups_per_warp; first < total; first += stride) {
+    const int64_t gid = first + slot;
+    const bool active = gid < total;
+    const int64_t row = active ? gid / groups_per_row : 0;
+    const int64_t col0 = active ? (gid - row * groups_per_row) * a.group_size : 0;
+    const int64_t ncols = active ? imin(a.group_size, a.cols - col0) : 0;
+    const int64_t nblocks = (ncols + 7) / 8;
+    const scalar_t* xg = x + row * a.cols + col0;
+
+    acc_t v[8];
+    acc_t mn = acc_t(INFINITY);
+    acc_t mx = acc_t(-INFINITY);
+    for (int64_t k = l; k < nblocks; k += lanes) {
+      const int valid = static_cast<int>(imin(8, ncols - 8 * k));
+      load8(xg + 8 * k, valid, vec, v);
+#pragma unroll
+      for (int t = 0; t < 8; ++t) {
+        if (t < valid) {
+          mn = min_nan(mn, v[t]);
+          mx = max_nan(mx, v[t]);
+        }
+      }
+    }
+    for (int offset = lanes / 2; offset > 0; offset /= 2) {
+      mn = min_nan(mn, __shfl_xor_sync(kFullMask, mn, offset));
+      mx = max_nan(mx, __shfl_xor_sync(kFullMask, mx, offset));
+    }
+    if (!active) continue;  // no shuffle below: lanes may diverge
+
+    const uint16_t lo_bits = bf16_down(mn);
+    acc_t lo;
+    from_bf16(lo_bits, lo);
+    const uint16_t step_bits = bf16_up(div_rn(sub_rn(mx, lo), levels));
+    acc_t step;
+    from_bf16(step_bits, step);
+    if (l == 0) {
+      a.lo[gid] = lo_bits;
+      a.step[gid] = step_bits;
+    }
+
+    const bool in_registers = nblocks <= lanes;
+    uint8_t* out = a.payload + row * row_bytes + col0 / 8 * a.bits;
+    for (int64_t k = l; k < nblocks; k += lanes) {
+      const int valid = static_cast<int>(imin(8, ncols - 8 * k));
+      if (!in_registers) load8(xg + 8 * k, valid, vec, v);
+      const int64_t index0 = row * a.cols + col0 + 8 * k;
+      uint64_t codes = 0;  // code t in byte t; codes past the row's end stay 0
+#pragma unroll
+      for (int t = 0; t < 8; ++t) {
+        if (t < valid) {
+          acc_t u = half;
+          if (a.stochastic) uniform(noise.hash(index0 + t), u);
+          codes |= static_cast<uint64_t>(quantize_code(v[t], lo, step, u, levels)) << (8 * t);
+        }
+      }
+      uint8_t* o = out + k * a.bits;
+      for (int j = 0; j < a.bits; ++j) o[j] = gather_plane(codes, j);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- dequantize
+// One thread per block of 8 codes: code * step + lo, two roundings (no fused multiply-add),
+// then the conversion to the output dtype (round to nearest even).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeArgs a,
+                                                              const bool vec) {
+  using acc_t = typename Compute<scalar_t>::type;
+  scalar_t* __restrict__ out = static_cast<scalar_t*>(a.out);
+  const int64_t blocks_per_row = (a.cols + 7) / 8;
+  const int64_t groups_per_row = (a.cols + a.group_size - 1) / a.group_size;
+  const int64_t row_bytes = blocks_per_row * a.bits;
+  const int64_t total = a.rows * blocks_per_row;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < total;
+       b += stride) {
+    const int64_t row = b / blocks_per_row;
+    const int64_t col = (b - row * blocks_per_row) * 8;
+    const int64_t gi = row * groups_per_row + col / a.group_size;
+    acc_t lo;
+    acc_t step;
+    from_bf16(a.lo[gi], lo);
+    from_bf16(a.step[gi], step);
+    const uint8_t* in = a.payload + row * row_bytes + col / 8 * a.bits;
+    uint64_t codes = 0;
+    for (int j = 0; j < a.bits; ++j) codes |= scatter_plane(in[j]) << j;
+    scalar_t r[8];
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+      const acc_t q = static_cast<acc_t>(static_cast<uint32_t>((codes >> (8 * t)) & 0xFF));
+      r[t] = static_cast<scalar_t>(add_rn(mul_rn(q, step), lo));
+    }
+    store8(out + row * a.cols + col, static_cast<int>(imin(8, a.cols - col)), vec, r);
+  }
+}
+
+// ---------------------------------------------------------------- bit packing
+__global__ void __launch_bounds__(kThreads)
+    pack_bits_kernel(const uint8_t* __restrict__ values, uint8_t* __restrict__ packed,
+                     const int64_t n, const int bits, const bool vec) {
+  const int64_t blocks = (n + 7) / 8;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks;
+       b += stride) {
+    const int valid = static_cast<int>(imin(8, n - 8 * b));
+    uint64_t w = 0;  // value t in byte t, zero padding past n
+    if (vec && valid == 8) {
+      w = *reinterpret_cast<const uint64_t*>(values + 8 * b);
+    } else {
+      for (int t = 0; t < valid; ++t) w |= static_cast<uint64_t>(values[8 * b + t]) << (8 * t);
+    }
+    uint8_t* o = packed + b * bits;
+    for (int j = 0; j < bits; ++j) o[j] = gather_plane(w, j);  // bits >= `bits` are dropped
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    unpack_bits_kernel(const uint8_t* __restrict__ packed, uint8_t* __restrict__ values,
+                       const int64_t n, const int bits, const bool vec) {
+  const int64_t blocks = (n + 7) / 8;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks;
+       b += stride) {
+    const uint8_t* in = packed + b * bits;
+    uint64_t w = 0;
+    for (int j = 0; j < bits; ++j) w |= scatter_plane(in[j]) << j;
+    const int valid = static_cast<int>(imin(8, n - 8 * b));
+    if (vec && valid == 8) {
+      *reinterpret_cast<uint64_t*>(values + 8 * b) = w;
+    } else {
+      for (int t = 0; t < valid; ++t) values[8 * b + t] = static_cast<uint8_t>(w >> (8 * t));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- hash_uniform
+__global__ void __launch_bounds__(kThreads)
+    hash_uniform_kernel(const int64_t* __restrict__ index, float* __restrict__ out,
+                        const int64_t n, const int64_t seed) {
+  NoiseStream noise(seed);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    out[i] = uniform_f32(noise.hash(index[i]));
+  }
+}
+
+// ---------------------------------------------------------------- launchers
+int64_t grid_for(int64_t threads_needed) {
+  const int64_t blocks = (threads_needed + kThreads - 1) / kThreads;
+  return std::max<int64_t>(1, std::min(blocks, kMaxBlocks));
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <typename scalar_t>
+cudaError_t quantize_typed(const QuantizeArgs& a, cudaStream_t stream) {
+  const int64_t blocks_per_group = a.group_size / 8;
+  int lanes = 1;
+  while (lanes < blocks_per_group && lanes < 32) lanes *= 2;
+  const int64_t groups = a.rows * ((a.cols + a.group_size - 1) / a.group_size);
+  const int64_t warps = (groups + 32 / lanes - 1) / (32 / lanes);
+  // Blocks of 8 elements start on 8-element boundaries of the flat tensor.
+  const bool vec = (a.cols % 8 == 0 || a.rows == 1) && aligned16(a.x);
+  quantize_kernel<scalar_t><<<grid_for(warps * 32), kThreads, 0, stream>>>(a, lanes, vec);
+  return cudaGetLastError();
+}
+
+template <typename scalar_t>
+cudaError_t dequantize_typed(const DequantizeArgs& a, cudaStream_t stream) {
+  const int64_t blocks = a.rows * ((a.cols + 7) / 8);
+  const bool vec = (a.cols % 8 == 0 || a.rows == 1) && aligned16(a.out);
+  dequantize_kernel<scalar_t><<<grid_for(blocks), kThreads, 0, stream>>>(a, vec);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_quantize(Scalar dtype, const QuantizeArgs& args, cudaStream_t stream) {
+  switch (dtype) {
+    case Scalar::kFloat32:
+      return quantize_typed<float>(args, stream);
+    case Scalar::kFloat16:
+      return quantize_typed<c10::Half>(args, stream);
+    case Scalar::kBFloat16:
+      return quantize_typed<c10::BFloat16>(args, stream);
+    case Scalar::kFloat64:
+      return quantize_typed<double>(args, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_dequantize(Scalar dtype, const DequantizeArgs& args, cudaStream_t stream) {
+  switch (dtype) {
+    case Scalar::kFloat32:
+      return dequantize_typed<float>(args, stream);
+    case Scalar::kFloat16:
+      return dequantize_typed<c10::Half>(args, stream);
+    case Scalar::kBFloat16:
+      return dequantize_typed<c10::BFloat16>(args, stream);
+    case Scalar::kFloat64:
+      return dequantize_typed<double>(args, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_pack_bits(const uint8_t* values, uint8_t* packed, int64_t n, int bits,
+                             cudaStream_t stream) {
+  const bool vec = reinterpret_cast<uintptr_t>(values) % 8 == 0;
+  pack_bits_kernel<<<grid_for((n + 7) / 8), kThreads, 0, stream>>>(values, packed, n, bits, vec);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_unpack_bits(const uint8_t* packed, uint8_t* values, int64_t n, int bits,
+                               cudaStream_t stream) {
+  const bool vec = reinterpret_cast<uintptr_t>(values) % 8 == 0;
+  unpack_bits_kernel<<<grid_for((n + 7) / 8), kThreads, 0, stream>>>(packed, values, n, bits,
+                                                                      vec);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_hash_uniform(const int64_t* index, float* out, int64_t n, int64_t seed,
+                                cudaStream_t stream) {
+  hash_uniform_kernel<<<grid_for(n), kThreads, 0, stream>>>(index, out, n, seed);
+  return cudaGetLastError();
+}
+
+}  // namespace actcore_native

@@ -1,0 +1,254 @@
+// The CUDA implementations of the actcore::* ops (declared in Python by
+// actcore/ops/library.py): argument checks, output allocation, a contiguous copy of
+// strided inputs, and the kernel launches of kernels.cu on the current stream.
+//
+// Registration is explicit, not a static initializer: actcore.native.loader calls
+// actcore_native_register() after the ops are defined, so a schema mismatch (a stale
+// library against newer op declarations) comes back as an error message, not as an
+// exception thrown while the library is being loaded (which would abort the process).
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdio>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <utility>
+
+#include "actcore_native.h"
+
+namespace actcore_native {
+namespace {
+
+Scalar scalar_of(at::ScalarType type, const char* op) {
+  switch (type) {
+    case at::kFloat:
+      return Scalar::kFloat32;
+    case at::kHalf:
+      return Scalar::kFloat16;
+    case at::kBFloat16:
+      return Scalar::kBFloat16;
+    case at::kDouble:
+      return Scalar::kFloat64;
+    default:
+      break;
+  }
+  TORCH_CHECK(false, op, " takes float32, float16, bfloat16 or float64, got ", type);
+  return Scalar::kFloat32;  // not reached
+}
+
+void check_cuda(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got one on ", t.device());
+}
+
+void check_bits(int64_t bits, const char* op) {
+  TORCH_CHECK(bits >= 1 && bits <= 8, op, ": bits must be in 1..8, got ", bits);
+}
+
+void check_group_size(int64_t group_size, const char* op) {
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0, op,
+              ": group_size must be a positive multiple of 8, got ", group_size);
+}
+
+// quantization.rows_and_cols: rows = samples (dim 0) when per_sample, else one row.
+std::pair<int64_t, int64_t> rows_and_cols(at::IntArrayRef shape, bool per_sample) {
+  if (shape.empty()) return {1, 1};
+  int64_t rest = 1;
+  for (size_t i = 1; i < shape.size(); ++i) rest *= shape[i];
+  if (per_sample) return {shape[0], rest};
+  return {1, shape[0] * rest};
+}
+
+void check_2d(const at::Tensor& t, int64_t rows, int64_t cols, const char* op,
+              const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, op, ": ", name,
+              " has shape ", t.sizes(), ", expected [", rows, ", ", cols, "]");
+}
+
+uint16_t* bf16_ptr(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_data_ptr()); }
+const uint16_t* bf16_ptr(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.const_data_ptr());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, int64_t bits,
+                                                             int64_t group_size,
+                                                             bool stochastic, int64_t seed,
+                                                             bool per_sample) {
+  constexpr const char* op = "actcore::quantize";
+  check_cuda(x, op, "x");
+  const Scalar dtype = scalar_of(x.scalar_type(), op);
+  check_bits(bits, op);
+  check_group_size(group_size, op);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto [rows, cols] = rows_and_cols(x.sizes(), per_sample);
+  const int64_t groups = (cols + group_size - 1) / group_size;
+  at::Tensor payload = at::empty({rows, (cols + 7) / 8 * bits}, x.options().dtype(at::kByte));
+  at::Tensor lo = at::empty({rows, groups}, x.options().dtype(at::kBFloat16));
+  at::Tensor step = at::empty({rows, groups}, x.options().dtype(at::kBFloat16));
+  if (rows * cols == 0) return {payload, lo, step};
+  const at::Tensor xc = x.contiguous();  // strided inputs: one contiguous copy
+  QuantizeArgs args{};
+  args.x = xc.const_data_ptr();
+  args.payload = payload.mutable_data_ptr<uint8_t>();
+  args.lo = bf16_ptr(lo);
+  args.step = bf16_ptr(step);
+  args.rows = rows;
+  args.cols = cols;
+  args.group_size = group_size;
+  args.bits = static_cast<int>(bits);
+  args.stochastic = stochastic;
+  args.seed = seed;
+  C10_CUDA_CHECK(launch_quantize(dtype, args, c10::cuda::getCurrentCUDAStream(x.get_device())));
+  return {payload, lo, step};
+}
+
+at::Tensor dequantize_cuda(const at::Tensor& payload, const at::Tensor& lo,
+                           const at::Tensor& step, int64_t bits, int64_t group_size,
+                           at::IntArrayRef shape, at::ScalarType dtype, bool per_sample) {
+  constexpr const char* op = "actcore::dequantize";
+  check_cuda(payload, op, "payload");
+  check_cuda(lo, op, "lo");
+  check_cuda(step, op, "step");
+  TORCH_CHECK(lo.device() == payload.device() && step.device() == payload.device(), op,
+              ": payload, lo and step must be on one device, got ", payload.device(), ", ",
+              lo.device(), ", ", step.device());
+  const Scalar out_dtype = scalar_of(dtype, op);
+  check_bits(bits, op);
+  check_group_size(group_size, op);
+  TORCH_CHECK(payload.scalar_type() == at::kByte, op, ": payload must be uint8, got ",
+              payload.scalar_type());
+  TORCH_CHECK(lo.scalar_type() == at::kBFloat16 && step.scalar_type() == at::kBFloat16, op,
+              ": lo and step must be bfloat16, got ", lo.scalar_type(), " and ",
+              step.scalar_type());
+  const c10::cuda::CUDAGuard guard(payload.device());
+  at::Tensor out = at::empty(shape, payload.options().dtype(dtype));
+  const auto [rows, cols] = rows_and_cols(shape, per_sample);
+  if (rows * cols == 0) return out;
+  const int64_t groups = (cols + group_size - 1) / group_size;
+  check_2d(payload, rows, (cols + 7) / 8 * bits, op, "payload");
+  check_2d(lo, rows, groups, op, "lo");
+  check_2d(step, rows, groups, op, "step");
+  const at::Tensor pc = payload.contiguous();
+  const at::Tensor lc = lo.contiguous();
+  const at::Tensor sc = step.contiguous();
+  DequantizeArgs args{};
+  args.payload = pc.const_data_ptr<uint8_t>();
+  args.lo = bf16_ptr(lc);
+  args.step = bf16_ptr(sc);
+  args.out = out.mutable_data_ptr();
+  args.rows = rows;
+  args.cols = cols;
+  args.group_size = group_size;
+  args.bits = static_cast<int>(bits);
+  C10_CUDA_CHECK(
+      launch_dequantize(out_dtype, args, c10::cuda::getCurrentCUDAStream(out.get_device())));
+  return out;
+}
+
+at::Tensor pack_bits_cuda(const at::Tensor& values, int64_t bits) {
+  constexpr const char* op = "actcore::pack_bits";
+  check_cuda(values, op, "values");
+  check_bits(bits, op);
+  TORCH_CHECK(values.scalar_type() == at::kByte, op, " takes uint8 values, got ",
+              values.scalar_type());
+  const c10::cuda::CUDAGuard guard(values.device());
+  const int64_t n = values.numel();
+  at::Tensor packed = at::empty({(n + 7) / 8 * bits}, values.options());
+  if (n == 0) return packed;
+  const at::Tensor vc = values.contiguous();  // row-major order, as reshape(-1)
+  C10_CUDA_CHECK(launch_pack_bits(vc.const_data_ptr<uint8_t>(), packed.mutable_data_ptr<uint8_t>(),
+                                  n, static_cast<int>(bits),
+                                  c10::cuda::getCurrentCUDAStream(values.get_device())));
+  return packed;
+}
+
+at::Tensor unpack_bits_cuda(const at::Tensor& packed, int64_t bits, int64_t numel) {
+  constexpr const char* op = "actcore::unpack_bits";
+  check_cuda(packed, op, "packed");
+  check_bits(bits, op);
+  TORCH_CHECK(packed.scalar_type() == at::kByte, op, " takes a uint8 payload, got ",
+              packed.scalar_type());
+  TORCH_CHECK(packed.numel() % bits == 0, op, ": a payload of ", bits,
+              "-bit values holds a multiple of ", bits, " bytes, got ", packed.numel());
+  TORCH_CHECK(numel >= 0 && (numel + 7) / 8 <= packed.numel() / bits, op, ": a payload of ",
+              packed.numel(), " bytes holds at most ", packed.numel() / bits * 8, " values of ",
+              bits, " bits, asked for ", numel);
+  const c10::cuda::CUDAGuard guard(packed.device());
+  at::Tensor values = at::empty({numel}, packed.options());
+  if (numel == 0) return values;
+  const at::Tensor pc = packed.contiguous();
+  C10_CUDA_CHECK(launch_unpack_bits(pc.const_data_ptr<uint8_t>(), values.mutable_data_ptr<uint8_t>(),
+                                    numel, static_cast<int>(bits),
+                                    c10::cuda::getCurrentCUDAStream(packed.get_device())));
+  return values;
+}
+
+at::Tensor hash_uniform_cuda(const at::Tensor& index, int64_t seed) {
+  constexpr const char* op = "actcore::hash_uniform";
+  check_cuda(index, op, "index");
+  TORCH_CHECK(index.scalar_type() == at::kLong, op, " takes int64 indices, got ",
+              index.scalar_type());
+  const c10::cuda::CUDAGuard guard(index.device());
+  if (index.numel() == 0) return at::empty(index.sizes(), index.options().dtype(at::kFloat));
+  // Same layout as the input (dense strides in the input's order); a non-dense input is
+  // first copied into that layout, so both walk the same memory order.
+  at::Tensor out = at::empty_like(index, index.options().dtype(at::kFloat));
+  at::Tensor src = index;
+  if (src.strides() != out.strides()) {
+    src = at::empty_like(index);
+    src.copy_(index);
+  }
+  TORCH_CHECK(src.strides() == out.strides() && out.is_non_overlapping_and_dense(), op,
+              ": internal error, layouts of index ", src.strides(), " and output ",
+              out.strides(), " differ");
+  C10_CUDA_CHECK(launch_hash_uniform(src.const_data_ptr<int64_t>(), out.mutable_data_ptr<float>(),
+                                     index.numel(), seed,
+                                     c10::cuda::getCurrentCUDAStream(index.get_device())));
+  return out;
+}
+
+std::mutex registration_mutex;
+std::unique_ptr<torch::Library> registration;
+
+void register_kernels() {
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "actcore",
+                                              c10::DispatchKey::CUDA, __FILE__, __LINE__);
+  lib->impl("quantize", TORCH_FN(quantize_cuda));
+  lib->impl("dequantize", TORCH_FN(dequantize_cuda));
+  lib->impl("pack_bits", TORCH_FN(pack_bits_cuda));
+  lib->impl("unpack_bits", TORCH_FN(unpack_bits_cuda));
+  lib->impl("hash_uniform", TORCH_FN(hash_uniform_cuda));
+  registration = std::move(lib);  // on an exception, `lib` undoes what it registered
+}
+
+}  // namespace
+}  // namespace actcore_native
+
+extern "C" {
+
+__attribute__((visibility("default"))) int actcore_native_abi_version() {
+  return actcore_native::kAbiVersion;
+}
+
+// Registers the CUDA kernels of the actcore::* ops (once; later calls do nothing).
+// Returns 0, or 1 with the reason in `message` (NUL-terminated, at most `size` bytes).
+__attribute__((visibility("default"))) int actcore_native_register(char* message,
+                                                                   size_t size) {
+  try {
+    const std::lock_guard<std::mutex> lock(actcore_native::registration_mutex);
+    if (!actcore_native::registration) actcore_native::register_kernels();
+    return 0;
+  } catch (const std::exception& e) {
+    if (message != nullptr && size > 0) std::snprintf(message, size, "%s", e.what());
+    return 1;
+  }
+}
+
+}  // extern "C"
