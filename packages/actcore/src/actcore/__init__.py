@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from . import compressors, engine, ops
+from . import compressors, engine, ops, policies
 from .config import LEVELS, Config, LevelSpec, config, set_optimization_level
+from .controller import Controller
 from .convert import ConversionReport, QModule, convert
+from .hooks import compress_saved_tensors
 from .layers import *  # noqa: F403 - the Q-layers are part of the top-level API
 from .layers import __all__ as _layer_names
 
@@ -13,15 +15,18 @@ __version__ = "0.1.0"
 __all__ = [
     "LEVELS",
     "Config",
+    "Controller",
     "ConversionReport",
     "LevelSpec",
     "QModule",
     "__version__",
+    "compress_saved_tensors",
     "compressors",
     "config",
     "convert",
     "engine",
     "ops",
+    "policies",
     "set_optimization_level",
     *_layer_names,
 ]

@@ -1,0 +1,146 @@
+"""``Controller``: GACT's front door, saved-tensor compression for any model.
+
+::
+
+    controller = actcore.Controller(model, level="L2")
+    controller.install_hook()
+    for x, y in loader:
+        def backprop():
+            optimizer.zero_grad()
+            loss = criterion(model(x), y)
+            loss.backward()
+            return loss
+        backprop()
+        controller.iterate(backprop)   # once per iteration; adaptive policies re-estimate here
+        optimizer.step()
+    controller.uninstall_hook()
+
+``backprop`` must run one forward and backward and must not step the optimizer: at adapt
+iterations the controller calls it a few extra times (gradients and RNG state are restored
+afterwards, so the caller's ``.grad`` and random stream are unchanged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from .hooks import SavedTensorCompressor
+from .policies import HookLevel, Policy, hook_level, make_policy
+
+__all__ = ["Controller"]
+
+_ENGINE_OPTIONS = ("min_numel", "group_size")
+
+
+class Controller:
+    """Compress what autograd saves in ``model``'s forward, as ``level``/``policy`` decide.
+
+    Args:
+        model: the model (its parameters/buffers are never compressed; its module names key
+            the per-tensor bit plan).
+        level: one of :data:`actcore.policies.HOOK_LEVELS` (``"L0"``..``"L3"``).
+        policy: ``None`` (the level's), ``"fixed"``, ``"auto"``, ``"acgc"`` or a
+            :class:`~actcore.policies.Policy`.
+        **overrides: ``min_numel``, ``group_size``, and the policy's options (``bits``,
+            ``avg_bits``, ``adapt_interval``, ``error_bound``, ``max_passes``, ``swap``, ...).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        level: str | HookLevel = "L2",
+        *,
+        policy: str | Policy | None = None,
+        **overrides: Any,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Controller needs an nn.Module, got {type(model).__name__}")
+        self.level = hook_level(level)
+        engine_opts = {k: overrides.pop(k) for k in _ENGINE_OPTIONS if k in overrides}
+        self.policy = make_policy(self.level, policy, **overrides)
+        self.model = model
+        self.engine = SavedTensorCompressor(self.policy, **engine_opts)
+        self.iteration = 0
+        self._installed = False
+
+    # ---- hooks ------------------------------------------------------------------------------
+
+    @property
+    def installed(self) -> bool:
+        return self._installed
+
+    def install_hook(self) -> None:
+        """Start compressing saved tensors (on this thread) until :meth:`uninstall_hook`."""
+        if self._installed:
+            return
+        self.engine.attach(self.model)
+        self.engine.__enter__()
+        self._installed = True
+
+    def uninstall_hook(self) -> None:
+        """Stop compressing; graphs built meanwhile still backpropagate correctly."""
+        if not self._installed:
+            return
+        self.engine.__exit__(None, None, None)
+        self.engine.detach_model()
+        self._installed = False
+
+    def __enter__(self) -> Controller:
+        self.install_hook()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall_hook()
+
+    # ---- iterations -------------------------------------------------------------------------
+
+    def iterate(self, backprop: Callable[[], Any] | None = None) -> None:
+        """Call once per iteration. Adaptive policies re-estimate every ``adapt_interval``
+        iterations by calling ``backprop`` (forward + backward, no optimizer step)."""
+        self.engine.refresh_params()
+        if self.policy.wants_adapt(self.iteration):
+            if backprop is None:
+                raise ValueError(
+                    f"policy {self.policy.name!r} adapts at iteration {self.iteration}: "
+                    "iterate() needs the backprop callable"
+                )
+            was_installed = self._installed
+            if not was_installed:
+                self.install_hook()
+            try:
+                self.policy.adapt(self.engine, backprop)
+            finally:
+                if not was_installed:
+                    self.uninstall_hook()
+        self.iteration += 1
+
+    @property
+    def bit_plan(self) -> dict[str, int | None]:
+        """Bits per saved-tensor key decided so far (empty for fixed policies)."""
+        return dict(getattr(self.policy, "plan", {}))
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "level": self.level.name,
+            "iteration": self.iteration,
+            "policy": self.policy.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: same iteration count and the same bit plan."""
+        missing = {"iteration", "policy"} - set(state)
+        if missing:
+            raise KeyError(f"Controller state lacks {sorted(missing)}")
+        self.policy.load_state_dict(state["policy"])
+        self.iteration = int(state["iteration"])
+
+    def __repr__(self) -> str:
+        return (
+            f"Controller(level={self.level.name!r}, policy={self.policy!r}, "
+            f"iteration={self.iteration}, installed={self._installed})"
+        )

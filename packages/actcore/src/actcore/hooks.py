@@ -1,0 +1,477 @@
+"""Saved-tensor hooks route: compress whatever autograd saves, for any architecture.
+
+``compress_saved_tensors(policy)`` is a context manager over the public
+:class:`torch.autograd.graph.saved_tensors_hooks`; it needs no model::
+
+    with actcore.compress_saved_tensors("L1.2"):
+        loss = f(x).sum()      # saved activations are kept at 2 bits
+    loss.backward()            # restored (dequantized) here
+
+What the pack hook does with each saved tensor:
+
+* parameters and buffers (``nn.Parameter``, views of one such as the ``weight.t()`` that
+  ``linear`` saves, autocast copies of one, and any tensor on a registered model's
+  parameter/buffer storage) are kept as they are;
+* integer tensors, tensors below ``min_numel`` elements and non-strided tensors are kept;
+* ``bool`` tensors (dropout masks, comparisons) are packed losslessly at 1 bit;
+* floating tensors (fp32/fp16/bf16/fp64) go through the policy's compressor (k-bit stochastic
+  quantization, optionally swapped to CPU). The output of a ReLU additionally keeps its
+  nonzero mask at 1 bit, so ReLU's backward sees exactly the same mask (no biased gradient);
+* a storage saved twice (the same tensor, or a permuted/expanded view of it, e.g. ``x`` and
+  ``x.t()``) while unchanged is stored once.
+
+The unpack hook rebuilds a tensor of the same dtype, shape and (for dense or expanded views)
+strides. Because hooks switch off autograd's version check, it is repeated here: an in-place
+change of a saved tensor that is still alive at backward raises autograd's usual error.
+
+Nesting: saved-tensor hooks are a stack and the innermost active hooks win. Inside a region
+checkpointed with ``torch.utils.checkpoint`` (non-reentrant), checkpoint's own hooks see every
+saved tensor and recompute it in backward, so nothing there is compressed; what checkpoint
+itself keeps (the region's inputs) goes through these hooks and is compressed, and the
+recomputation starts from the restored inputs. Hooks pushed inside our block likewise take
+over (e.g. ``actcore.memory.track`` then only counts what we report via ``note_saved``).
+
+Not detected: float tensors that happen to hold only 0 and 1 (telling would need a
+data-dependent check, i.e. a device sync per tensor); they are quantized like any other.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import memory, ops
+from .compressors import Compressor, Quantize, Swap
+
+__all__ = [
+    "FLOATS",
+    "MaskBits",
+    "SavedTensorCompressor",
+    "SeededQuantize",
+    "compress_saved_tensors",
+]
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_RELU_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
+_INPLACE_MSG = (
+    "one of the variables needed for gradient computation has been modified by an inplace "
+    "operation: [{kind} {shape}] is at version {now}; expected version {then} instead. (Seen "
+    "by actcore's saved-tensor compression hooks; enable anomaly detection with "
+    "torch.autograd.set_detect_anomaly(True) to find the operation that modified it.)"
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Compressors private to this route
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MaskBits(Compressor):
+    """A bool tensor at 1 bit per element (lossless)."""
+
+    name = "mask"
+
+    def pack(self, x: Tensor) -> tuple[tuple[Tensor, ...], Any]:
+        return (ops.pack_mask(x.contiguous()),), x.shape
+
+    def unpack(self, tensors: tuple[Tensor, ...], meta: Any) -> Tensor:
+        return ops.unpack_mask(tensors[0], meta)
+
+
+@dataclass(frozen=True)
+class SeededQuantize(Quantize):
+    """:class:`Quantize` with a fixed rounding seed (used while policies estimate noise)."""
+
+    seed: int = 0
+
+    def pack(self, x: Tensor) -> tuple[tuple[Tensor, ...], Any]:
+        p = ops.quantize(
+            x, self.bits, group_size=self.group_size, per_sample=self.per_sample, seed=self.seed
+        )
+        return p.tensors(), (p.shape, p.dtype, p.bits, p.group_size, p.per_sample)
+
+
+# --------------------------------------------------------------------------------------------
+# Handles
+# --------------------------------------------------------------------------------------------
+
+
+class _Stored:
+    """Compressed data of one storage region, shared by every handle that saved it."""
+
+    __slots__ = ("__weakref__", "compressor", "mask", "meta", "tensors")
+
+    def __init__(self, compressor: Compressor, tensors: tuple, meta: Any, mask: Tensor | None):
+        self.compressor = compressor
+        self.tensors = tensors
+        self.meta = meta
+        self.mask = mask  # packed nonzero mask of a ReLU output, else None
+
+    def restore(self, shape: torch.Size) -> Tensor:
+        out = self.compressor.unpack(self.tensors, self.meta)
+        if self.mask is not None:
+            keep = ops.unpack_mask(self.mask, shape)
+            tiny = torch.finfo(out.dtype).tiny
+            out = torch.where(keep, out.clamp_min(tiny), out.new_zeros(()))
+        return out
+
+
+class _Handle:
+    """What autograd holds for one saved tensor."""
+
+    __slots__ = ("expand", "inv_perm", "perm_shape", "ref", "stored", "tensor", "version")
+
+    def __init__(self) -> None:
+        self.tensor: Tensor | None = None  # kept as is (pass-through)
+        self.stored: _Stored | None = None
+        self.perm_shape: torch.Size | None = None
+        self.inv_perm: tuple[int, ...] | None = None
+        self.expand: torch.Size | None = None
+        self.ref: weakref.ref | None = None
+        self.version = 0
+
+
+def _canonical(t: Tensor) -> tuple[Tensor, tuple[int, ...], torch.Size | None]:
+    """``t`` without expanded dims, permuted into memory order; inverse perm; expand shape."""
+    c = t
+    expanded = False
+    for d in range(t.dim()):
+        if t.stride(d) == 0 and t.size(d) > 1:
+            c = c.narrow(d, 0, 1)
+            expanded = True
+    perm = sorted(range(c.dim()), key=lambda d: (-c.stride(d), d))
+    inv = [0] * len(perm)
+    for i, d in enumerate(perm):
+        inv[d] = i
+    return c.permute(perm), tuple(inv), (t.shape if expanded else None)
+
+
+def _storage_ptr(t: Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _is_param_like(t: Tensor, param_ptrs: set[int]) -> bool:
+    """Parameters, buffers, their views and autocast copies are not activations."""
+    if isinstance(t, nn.Parameter):
+        return True
+    base = t._base
+    if isinstance(base, nn.Parameter):
+        return True
+    if param_ptrs and _storage_ptr(t) in param_ptrs:
+        return True
+    fn = (base if base is not None else t).grad_fn
+    if fn is not None and type(fn).__name__ == "ToCopyBackward0":
+        nxt = fn.next_functions[0][0] if fn.next_functions else None
+        if isinstance(getattr(nxt, "variable", None), nn.Parameter):
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics for policies
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PassStats:
+    """What one forward under estimation recorded, per key (first save of each storage)."""
+
+    bits: dict[str, int] = field(default_factory=dict)
+    numel: dict[str, int] = field(default_factory=dict)
+    # sum over groups of n_g * range_g^2 / 6: quantization variance at b bits is R/(2^b-1)^2
+    spread: dict[str, Tensor] = field(default_factory=dict)
+
+    def spreads(self) -> dict[str, float]:
+        """``spread`` as floats (one device sync for all)."""
+        if not self.spread:
+            return {}
+        keys = list(self.spread)
+        values = torch.stack([self.spread[k].float().cpu() for k in keys]).tolist()
+        return dict(zip(keys, values, strict=True))
+
+
+# --------------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------------
+
+
+class SavedTensorCompressor:
+    """Pack/unpack hooks that compress saved tensors as a policy decides.
+
+    Use it as a context manager (``with engine: ...``); :func:`compress_saved_tensors` builds
+    one. With ``model`` given, parameters/buffers are recognised by storage too (refreshed at
+    every root forward) and each saved tensor gets a key that names the module that saved it
+    (``"encoder.layers.0.linear1#0:1"``: module, call of the module in this forward, index of
+    the save inside that call), so bit plans do not depend on global forward order: running
+    submodules in another order, or skipping one, leaves the other modules' keys unchanged
+    (reordering functional ops inside one module's own ``forward`` renumbers that module's).
+    Saves outside every module are keyed ``"<outside>:i"``, counted from the start of the
+    latest root forward (from the block's entry without a model).
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        *,
+        model: nn.Module | None = None,
+        min_numel: int = 1024,
+        group_size: int = 256,
+    ) -> None:
+        from .policies import as_policy
+
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+            raise ValueError(f"min_numel must be an int >= 0, got {min_numel!r}")
+        ops.api.check_group_size(group_size)
+        self.policy = as_policy(policy)
+        self.min_numel = min_numel
+        self.group_size = group_size
+        self.model: nn.Module | None = None
+        self.stats: PassStats | None = None  # set by policies while estimating
+        self.seeds: dict[str, int] | None = None  # fixed rounding seeds while estimating
+        self._param_ptrs: set[int] = set()
+        self._dedup: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+        self._prune_at = 4096
+        self._compressors: dict[tuple[int, bool], Compressor] = {}
+        self._module_handles: list[Any] = []
+        self._frames: list[list] = []  # [name, call, local counter]
+        self._calls: dict[str, int] = {}
+        self._global = 0
+        self._ctx: Any = None
+        if model is not None:
+            self.attach(model)
+
+    # ---- model bookkeeping ------------------------------------------------------------------
+
+    def attach(self, model: nn.Module) -> None:
+        """Follow ``model``: parameter storages and module-scoped keys."""
+        self.detach_model()
+        self.model = model
+        self.refresh_params()
+        for name, module in model.named_modules():
+            self._module_handles.append(module.register_forward_pre_hook(self._make_pre(name)))
+            self._module_handles.append(
+                module.register_forward_hook(self._make_post(name), always_call=True)
+            )
+
+    def detach_model(self) -> None:
+        for h in self._module_handles:
+            h.remove()
+        self._module_handles.clear()
+        self.model = None
+        self._param_ptrs = set()
+
+    def refresh_params(self) -> None:
+        """Re-read the storages of the model's parameters and buffers (after ``.to()``...)."""
+        if self.model is not None:
+            tensors: Iterable[Tensor] = (*self.model.parameters(), *self.model.buffers())
+            self._param_ptrs = {p for p in map(_storage_ptr, tensors) if p}
+
+    def _make_pre(self, name: str):
+        def pre(module: nn.Module, args: Any) -> None:
+            if not self._frames:  # a new forward of the root (or of a part of the model)
+                self._calls.clear()
+                self._global = 0  # saves after it (e.g. the loss) count from here
+                self.refresh_params()
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            self._frames.append([name, call, 0])
+
+        return pre
+
+    def _make_post(self, name: str):
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            for i in range(len(self._frames) - 1, -1, -1):
+                if self._frames[i][0] == name:
+                    del self._frames[i:]
+                    break
+
+        return post
+
+    def _next_key(self) -> str:
+        if self._frames:
+            frame = self._frames[-1]
+            frame[2] += 1
+            return f"{frame[0]}#{frame[1]}:{frame[2] - 1}"
+        self._global += 1
+        return f"<outside>:{self._global - 1}"
+
+    # ---- context manager --------------------------------------------------------------------
+
+    def __enter__(self) -> SavedTensorCompressor:
+        if self._ctx is not None:
+            raise RuntimeError("these saved-tensor hooks are already active")
+        self._global = 0
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.__exit__(*exc)
+
+    @property
+    def active(self) -> bool:
+        return self._ctx is not None
+
+    # ---- hooks ------------------------------------------------------------------------------
+
+    def _compressor(self, bits: int, swap: bool) -> Compressor:
+        c = self._compressors.get((bits, swap))
+        if c is None:
+            c = Quantize(bits, self.group_size)
+            if swap:
+                c = Swap(c)
+            self._compressors[(bits, swap)] = c
+        return c
+
+    def _passthrough(self, t: Tensor, note: bool) -> _Handle:
+        h = _Handle()
+        h.tensor = t.detach()
+        h.version = t._version
+        if note:
+            memory.note_saved(h.tensor)
+        return h
+
+    def pack(self, t: Tensor) -> _Handle:
+        """The pack hook."""
+        if not isinstance(t, Tensor) or t.layout != torch.strided or t.is_nested:
+            return self._passthrough(t, note=False) if isinstance(t, Tensor) else t
+        if _is_param_like(t, self._param_ptrs):
+            return self._passthrough(t, note=False)
+        if not self.policy.compresses:
+            return self._passthrough(t, note=True)
+        small = t.numel() < self.min_numel
+        if small or not (t.dtype in FLOATS or t.dtype == torch.bool) or t.device.type == "meta":
+            return self._passthrough(t, note=True)
+        key = self._next_key()
+        bits = None
+        if t.dtype != torch.bool:
+            bits = self.policy.bits_for(key)
+            if bits is None:
+                return self._passthrough(t, note=True)
+        with torch.no_grad():
+            return self._pack_compressed(t, key, bits)
+
+    def _pack_compressed(self, t: Tensor, key: str, bits: int | None) -> _Handle:
+        canon, inv, expand = _canonical(t)
+        h = _Handle()
+        h.perm_shape, h.inv_perm, h.expand = canon.shape, inv, expand
+        h.version = t._version
+        try:
+            h.ref = weakref.ref(t)
+        except TypeError:
+            h.ref = None
+        dkey = (
+            _storage_ptr(canon),
+            canon.storage_offset(),
+            tuple(canon.shape),
+            tuple(canon.stride()),
+            canon.dtype,
+            str(canon.device),
+            t._version,
+        )
+        hit = self._dedup.get(dkey)
+        if hit is not None:
+            src, stored = hit[0](), hit[1]()
+            if src is not None and stored is not None and src._version == t._version:
+                h.stored = stored
+                return h
+        data = canon.contiguous()
+        mask = None
+        if bits is None:
+            comp: Compressor = MaskBits()
+        else:
+            seeds = self.seeds
+            if seeds is not None:
+                comp = SeededQuantize(bits, self.group_size, seed=seeds.get(key, 0))
+            else:
+                comp = self._compressor(bits, self.policy.swap)
+            fn = t.grad_fn
+            if fn is not None and type(fn).__name__ in _RELU_NODES:
+                mask = ops.pack_mask(data != 0)
+        tensors, meta = comp.pack(data)
+        stored = _Stored(comp, tuple(tensors), meta, mask)
+        h.stored = stored
+        if self.stats is not None and bits is not None:
+            self._record_stats(key, bits, data.numel(), tensors, meta)
+        if h.ref is not None:
+            self._dedup[dkey] = (h.ref, weakref.ref(stored))
+            if len(self._dedup) > self._prune_at:
+                self._prune()
+        memory.note_saved([*stored.tensors, *(() if mask is None else (mask,))])
+        return h
+
+    def _record_stats(self, key: str, bits: int, numel: int, tensors: Any, meta: Any) -> None:
+        stats = self.stats
+        assert stats is not None
+        step = tensors[2] if len(tensors) == 3 else None
+        if step is None or key in stats.bits:
+            return
+        levels = float(2**bits - 1)
+        stats.bits[key] = bits
+        stats.numel[key] = numel
+        stats.spread[key] = step.float().square().sum() * (self.group_size * levels**2 / 6.0)
+
+    def _prune(self) -> None:
+        dead = [k for k, (a, b) in self._dedup.items() if a() is None or b() is None]
+        for k in dead:
+            del self._dedup[k]
+        self._prune_at = max(4096, 2 * len(self._dedup))  # amortised O(1) per save
+
+    def unpack(self, h: Any) -> Tensor:
+        """The unpack hook."""
+        if not isinstance(h, _Handle):
+            return h
+        if h.tensor is not None:
+            t = h.tensor
+            if t._version != h.version:
+                raise RuntimeError(
+                    _INPLACE_MSG.format(
+                        kind=t.type(), shape=list(t.shape), now=t._version, then=h.version
+                    )
+                )
+            return t
+        if h.ref is not None:
+            src = h.ref()
+            if src is not None and src._version != h.version:
+                raise RuntimeError(
+                    _INPLACE_MSG.format(
+                        kind=src.type(), shape=list(src.shape), now=src._version, then=h.version
+                    )
+                )
+        assert h.stored is not None and h.perm_shape is not None and h.inv_perm is not None
+        with torch.no_grad():
+            out = h.stored.restore(h.perm_shape).view(h.perm_shape).permute(h.inv_perm)
+            if h.expand is not None:
+                out = out.expand(h.expand)
+        return out
+
+
+def compress_saved_tensors(
+    policy: Any = "L1",
+    *,
+    model: nn.Module | None = None,
+    min_numel: int = 1024,
+    group_size: int = 256,
+) -> SavedTensorCompressor:
+    """Compress the tensors autograd saves inside a ``with`` block; no model needed.
+
+    Args:
+        policy: a level name of :data:`actcore.policies.HOOK_LEVELS` (``"L0"`` .. ``"L3"``),
+            a number of bits (1..8), or a :class:`actcore.policies.Policy`.
+        model: optional; its parameters/buffers are recognised by storage and keys name
+            modules (adaptive policies need :class:`actcore.Controller` to adapt).
+        min_numel: tensors with fewer elements are kept as they are.
+        group_size: quantization group size (a positive multiple of 8).
+    """
+    return SavedTensorCompressor(policy, model=model, min_numel=min_numel, group_size=group_size)

@@ -1,0 +1,479 @@
+"""Policies: how many bits each saved tensor gets (shared by both front doors).
+
+* :class:`FixedBits`: the same bits for every tensor (GACT's L1, L1.1, L1.2), or none (L0).
+* :class:`AutoPrecision`: per-tensor bits from measured sensitivity under an average-bits
+  budget (GACT's L2, L2.1, L2.2, L3).
+* :class:`ACGC`: per-tensor bits so that the predicted relative gradient error stays under a
+  bound (AC-GC).
+
+Model of the gradient noise (linearised, as GACT and AC-GC analyse it): quantizing saved tensor
+``l`` at ``b`` bits with stochastic rounding adds independent zero-mean noise whose variance is
+``Q_l(b) = R_l / (2^b - 1)^2`` with ``R_l = sum_groups n_g * range_g^2 / 6`` (closed form from
+the per-group ranges, read off the quantizer's own metadata), and it moves the parameter
+gradient by ``E||dg||^2 = sum_l c_l * Q_l(b_l)``. The sensitivities ``c_l`` are measured every
+``adapt_interval`` iterations by :meth:`AdaptivePolicy.adapt`: one baseline pass and at most
+``max_passes`` probe passes (tensors are split into that many groups, each group re-drawn with a
+fresh rounding seed in one pass, so ``||g_probe - g_base||^2`` estimates ``2 * sum_G c_l Q_l``).
+Dropout and other RNG use are replayed identically in every pass. The amortised cost is at most
+``(1 + max_passes) / adapt_interval`` iterations per iteration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .ops.api import check_bits
+
+__all__ = [
+    "ACGC",
+    "HOOK_LEVELS",
+    "AdaptivePolicy",
+    "AutoPrecision",
+    "FixedBits",
+    "HookLevel",
+    "Policy",
+    "as_policy",
+    "hook_level",
+    "make_policy",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Levels (GACT's)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HookLevel:
+    """One optimization level of the saved-tensor hooks route (``Controller(level=...)``)."""
+
+    name: str
+    bits: int | None  # fixed bits, or the average-bits budget when ``auto``; None: no compression
+    auto: bool = False  # per-tensor bits from sensitivity
+    swap: bool = False  # packed tensors moved to pinned CPU memory (GPU only)
+    summary: str = ""
+
+
+HOOK_LEVELS: dict[str, HookLevel] = {
+    lv.name: lv
+    for lv in (
+        HookLevel("L0", None, summary="no compression (gradients bitwise equal to no hooks)"),
+        HookLevel("L1", 4, summary="every saved activation at 4 bits"),
+        HookLevel("L1.1", 8, summary="every saved activation at 8 bits"),
+        HookLevel("L1.2", 2, summary="every saved activation at 2 bits"),
+        HookLevel("L2", 4, auto=True, summary="auto precision: 4 bits on average"),
+        HookLevel("L2.1", 3, auto=True, summary="auto precision: 3 bits on average"),
+        HookLevel("L2.2", 2, auto=True, summary="auto precision: 2 bits on average"),
+        HookLevel(
+            "L3",
+            4,
+            auto=True,
+            swap=True,
+            summary="auto precision, 4 bits on average, packed data swapped to pinned CPU memory",
+        ),
+    )
+}
+
+
+def hook_level(level: str | HookLevel) -> HookLevel:
+    """The :class:`HookLevel` named ``level``, or ValueError listing the valid names."""
+    if isinstance(level, HookLevel):
+        return level
+    try:
+        return HOOK_LEVELS[level]
+    except (KeyError, TypeError):
+        valid = ", ".join(HOOK_LEVELS)
+        raise ValueError(f"unknown level {level!r}; valid levels: {valid}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Base and fixed policies
+# --------------------------------------------------------------------------------------------
+
+
+class Policy:
+    """Decides the bits of each saved tensor, by key. ``None`` keeps a tensor uncompressed."""
+
+    name = "policy"
+    swap = False
+    compresses = True
+    adapt_interval = 0  # 0: never adapts
+
+    def bits_for(self, key: str) -> int | None:
+        raise NotImplementedError
+
+    def wants_adapt(self, iteration: int) -> bool:
+        return self.adapt_interval > 0 and iteration % self.adapt_interval == 0
+
+    def adapt(self, engine: Any, backprop: Callable[[], Any]) -> None:
+        """Re-estimate (adaptive policies); ``backprop`` runs forward and backward once."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name", self.name) != self.name:
+            raise ValueError(f"state of a {state.get('name')!r} policy given to {self.name!r}")
+
+
+class FixedBits(Policy):
+    """The same number of bits for every floating saved tensor; ``bits=None``: none."""
+
+    name = "fixed"
+
+    def __init__(self, bits: int | None, *, swap: bool = False) -> None:
+        self.bits = None if bits is None else check_bits(bits)
+        self.swap = bool(swap)
+        self.compresses = bits is not None
+
+    def bits_for(self, key: str) -> int | None:
+        return self.bits
+
+    def __repr__(self) -> str:
+        return f"FixedBits(bits={self.bits}, swap={self.swap})"
+
+
+# --------------------------------------------------------------------------------------------
+# Adaptive policies
+# --------------------------------------------------------------------------------------------
+
+
+def _seed(key: str, salt: int) -> int:
+    digest = hashlib.blake2b(f"{salt}/{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+class _Seeds:
+    """Rounding seeds by key: ``probe`` keys get a second salt."""
+
+    def __init__(self, salt: int, probe: frozenset[str] = frozenset()) -> None:
+        self.salt, self.probe = salt, probe
+
+    def get(self, key: str, default: int = 0) -> int:
+        return _seed(key, self.salt + 1 if key in self.probe else self.salt)
+
+
+def _rng_state() -> tuple[Any, Any]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[Any, Any]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+class AdaptivePolicy(Policy):
+    """Shared machinery: sensitivity estimation and greedy bit allocation."""
+
+    name = "adaptive"
+
+    def __init__(
+        self,
+        *,
+        adapt_interval: int = 500,
+        min_bits: int = 1,
+        max_bits: int = 8,
+        max_passes: int = 16,
+        probe_bits: int = 4,
+        swap: bool = False,
+    ) -> None:
+        if isinstance(adapt_interval, bool) or not isinstance(adapt_interval, int):
+            raise TypeError(f"adapt_interval must be an int, got {adapt_interval!r}")
+        if adapt_interval < 1:
+            raise ValueError(f"adapt_interval must be >= 1, got {adapt_interval}")
+        if isinstance(max_passes, bool) or not isinstance(max_passes, int) or max_passes < 1:
+            raise ValueError(f"max_passes must be an int >= 1, got {max_passes!r}")
+        self.min_bits = check_bits(min_bits, "min_bits")
+        self.max_bits = check_bits(max_bits, "max_bits")
+        if self.min_bits > self.max_bits:
+            raise ValueError(f"min_bits ({min_bits}) must not exceed max_bits ({max_bits})")
+        self.probe_bits = check_bits(probe_bits, "probe_bits")
+        self.adapt_interval = adapt_interval
+        self.max_passes = max_passes
+        self.swap = bool(swap)
+        self.plan: dict[str, int | None] = {}
+        self.sensitivity: dict[str, float] = {}
+        self.spread: dict[str, float] = {}  # R_l at the last estimate
+        self.numel: dict[str, int] = {}
+        self.grad_sq = 0.0  # ||g||^2 at the last estimate
+        self.estimates = 0
+        self.predicted_error = float("nan")  # predicted relative gradient error of the plan
+        self._probing = False
+
+    # ---- decisions --------------------------------------------------------------------------
+
+    def default_bits(self) -> int | None:
+        raise NotImplementedError
+
+    def bits_for(self, key: str) -> int | None:
+        if self._probing:
+            return self.probe_bits
+        return self.plan.get(key, self.default_bits()) if self.plan else self.default_bits()
+
+    def average_bits(self) -> float:
+        """Element-weighted average bits of the plan (an uncompressed tensor counts 32)."""
+        total = sum(self.numel.get(k, 0) for k in self.plan)
+        if not total:
+            return float("nan")
+        return sum(
+            (32 if b is None else b) * self.numel.get(k, 0) for k, b in self.plan.items()
+        ) / (total)
+
+    # ---- estimation -------------------------------------------------------------------------
+
+    def adapt(self, engine: Any, backprop: Callable[[], Any]) -> None:
+        model: nn.Module | None = engine.model
+        if model is None:
+            raise RuntimeError(f"the {self.name!r} policy needs a model to adapt (use Controller)")
+        params = [p for p in model.parameters() if p.requires_grad]
+        saved = [None if p.grad is None else p.grad.clone() for p in params]
+        rng = _rng_state()
+        salt = 2 * self.estimates + 1
+
+        def run(seeds: _Seeds) -> tuple[torch.Tensor, Any]:
+            from .hooks import PassStats
+
+            for p in params:
+                p.grad = None
+            engine.seeds, engine.stats = seeds, PassStats()
+            _set_rng_state(rng)
+            try:
+                backprop()
+            finally:
+                stats, engine.stats, engine.seeds = engine.stats, None, None
+            flat = [p.grad.detach().float().reshape(-1) for p in params if p.grad is not None]
+            return (torch.cat(flat) if flat else torch.zeros(0)), stats
+
+        self._probing = True
+        try:
+            g0, base = run(_Seeds(salt))
+            keys = list(base.bits)
+            spreads = base.spreads()
+            groups = _split(keys, self.max_passes)
+            diffs = []
+            for group in groups:
+                g, _ = run(_Seeds(salt, frozenset(group)))
+                diffs.append((g - g0).square().sum())
+            diff_values = torch.stack(diffs).tolist() if diffs else []
+            grad_sq = float(g0.square().sum())
+        finally:
+            self._probing = False
+            for p, g in zip(params, saved, strict=True):
+                p.grad = g
+            _set_rng_state(rng)
+        for group, d in zip(groups, diff_values, strict=True):
+            var = sum(spreads[k] / (2 ** base.bits[k] - 1) ** 2 for k in group)
+            c = d / (2.0 * var) if var > 0 else 0.0
+            for k in group:
+                old = self.sensitivity.get(k)
+                self.sensitivity[k] = c if old is None else 0.5 * (old + c)
+        self.spread.update(spreads)
+        self.numel.update(base.numel)
+        self.grad_sq = grad_sq
+        self.estimates += 1
+        self._allocate(keys)
+
+    def _weights(self, keys: list[str]) -> dict[str, float]:
+        return {k: max(self.sensitivity.get(k, 0.0), 0.0) * self.spread.get(k, 0.0) for k in keys}
+
+    def _allocate(self, keys: list[str]) -> None:
+        raise NotImplementedError
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "plan": dict(self.plan),
+            "sensitivity": dict(self.sensitivity),
+            "spread": dict(self.spread),
+            "numel": dict(self.numel),
+            "grad_sq": self.grad_sq,
+            "estimates": self.estimates,
+            "predicted_error": self.predicted_error,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.plan = dict(state.get("plan", {}))
+        self.sensitivity = dict(state.get("sensitivity", {}))
+        self.spread = dict(state.get("spread", {}))
+        self.numel = dict(state.get("numel", {}))
+        self.grad_sq = float(state.get("grad_sq", 0.0))
+        self.estimates = int(state.get("estimates", 0))
+        self.predicted_error = float(state.get("predicted_error", float("nan")))
+
+
+def _split(keys: list[str], parts: int) -> list[list[str]]:
+    """``keys`` in order, cut into at most ``parts`` contiguous groups of near-equal size."""
+    n = len(keys)
+    parts = min(parts, n)
+    return [keys[i * n // parts : (i + 1) * n // parts] for i in range(parts)]
+
+
+def _err(w: float, bits: int | None) -> float:
+    return 0.0 if bits is None else w / float(2**bits - 1) ** 2
+
+
+class AutoPrecision(AdaptivePolicy):
+    """GACT-style auto precision: minimise predicted gradient variance at ``avg_bits``.
+
+    Greedy marginal allocation (optimal for this separable convex objective up to one step):
+    every tensor starts at ``min_bits``; the next bit goes to the tensor whose predicted
+    variance drops most per element, while the element-weighted average stays within budget.
+    """
+
+    name = "auto"
+
+    def __init__(self, avg_bits: float = 4, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(avg_bits, (int, float)) or not 1 <= avg_bits <= 8:
+            raise ValueError(f"avg_bits must be a number in [1, 8], got {avg_bits!r}")
+        self.avg_bits = float(avg_bits)
+
+    def default_bits(self) -> int:
+        return min(max(round(self.avg_bits), self.min_bits), self.max_bits)
+
+    def _allocate(self, keys: list[str]) -> None:
+        w = self._weights(keys)
+        n = {k: self.numel[k] for k in keys}
+        bits = dict.fromkeys(keys, self.min_bits)
+        budget = self.avg_bits * sum(n.values()) - self.min_bits * sum(n.values())
+        heap = [
+            (-(_err(w[k], b) - _err(w[k], b + 1)) / n[k], i, k)
+            for i, (k, b) in enumerate(bits.items())
+            if b < self.max_bits
+        ]
+        heapq.heapify(heap)
+        while heap:
+            _, i, k = heapq.heappop(heap)
+            if n[k] > budget + 1e-9:
+                continue
+            budget -= n[k]
+            bits[k] += 1
+            b = bits[k]
+            if b < self.max_bits:
+                heapq.heappush(heap, (-(_err(w[k], b) - _err(w[k], b + 1)) / n[k], i, k))
+        self.plan = dict(bits)
+        total = sum(_err(w[k], bits[k]) for k in keys)
+        self.predicted_error = math.sqrt(total / self.grad_sq) if self.grad_sq > 0 else 0.0
+
+    def __repr__(self) -> str:
+        return f"AutoPrecision(avg_bits={self.avg_bits}, adapt_interval={self.adapt_interval})"
+
+
+class ACGC(AdaptivePolicy):
+    """AC-GC-style error-bounded bits: predicted ``||dg|| / ||g|| <= error_bound``.
+
+    Bits per tensor are the fewest (greedy by predicted variance drop per element) for which
+    ``sum_l c_l Q_l(b_l) <= safety * error_bound^2 * ||g||^2``; past ``max_bits`` a tensor is
+    kept uncompressed. Until the first estimate and for tensors never measured, ``max_bits``.
+    """
+
+    name = "acgc"
+
+    def __init__(
+        self, error_bound: float = 0.1, *, safety: float = 0.5, min_bits: int = 2, **kwargs: Any
+    ) -> None:
+        super().__init__(min_bits=min_bits, **kwargs)
+        if not isinstance(error_bound, (int, float)) or error_bound <= 0:
+            raise ValueError(f"error_bound must be a positive number, got {error_bound!r}")
+        if not isinstance(safety, (int, float)) or not 0 < safety <= 1:
+            raise ValueError(f"safety must be in (0, 1], got {safety!r}")
+        self.error_bound = float(error_bound)
+        self.safety = float(safety)
+
+    def default_bits(self) -> int:
+        return self.max_bits
+
+    def _allocate(self, keys: list[str]) -> None:
+        w = self._weights(keys)
+        n = {k: self.numel[k] for k in keys}
+        bits: dict[str, int | None] = dict.fromkeys(keys, self.min_bits)
+        target = self.safety * self.error_bound**2 * self.grad_sq
+        total = sum(_err(w[k], self.min_bits) for k in keys)
+
+        def gain(k: str, b: int) -> float:
+            nxt = None if b >= self.max_bits else b + 1
+            extra = (32 - b) if nxt is None else 1
+            return (_err(w[k], b) - _err(w[k], nxt)) / (n[k] * extra)
+
+        heap = [(-gain(k, self.min_bits), i, k) for i, k in enumerate(keys)]
+        heapq.heapify(heap)
+        while total > target and heap:
+            _, i, k = heapq.heappop(heap)
+            b = bits[k]
+            assert b is not None
+            nxt = None if b >= self.max_bits else b + 1
+            total -= _err(w[k], b) - _err(w[k], nxt)
+            bits[k] = nxt
+            if nxt is not None:
+                heapq.heappush(heap, (-gain(k, nxt), i, k))
+        self.plan = bits
+        self.predicted_error = math.sqrt(max(total, 0.0) / self.grad_sq) if self.grad_sq else 0.0
+
+    def __repr__(self) -> str:
+        return f"ACGC(error_bound={self.error_bound}, adapt_interval={self.adapt_interval})"
+
+
+# --------------------------------------------------------------------------------------------
+# Construction
+# --------------------------------------------------------------------------------------------
+
+_ADAPTIVE_KEYS = ("adapt_interval", "min_bits", "max_bits", "max_passes", "probe_bits", "swap")
+POLICY_OPTIONS = {
+    "fixed": ("bits", "swap"),
+    "auto": ("avg_bits", *_ADAPTIVE_KEYS),
+    "acgc": ("error_bound", "safety", *_ADAPTIVE_KEYS),
+}
+
+
+def make_policy(level: str | HookLevel = "L2", policy: Any = None, **overrides: Any) -> Policy:
+    """The policy of ``level``, or of ``policy`` (``"fixed"``, ``"auto"``, ``"acgc"`` or a
+    :class:`Policy`), with ``overrides`` (e.g. ``bits=3``, ``adapt_interval=100``)."""
+    if isinstance(policy, Policy):
+        if overrides:
+            raise TypeError(f"options {sorted(overrides)} cannot apply to a Policy instance")
+        return policy
+    lv = hook_level(level)
+    kind = policy if policy is not None else ("auto" if lv.auto else "fixed")
+    if kind not in POLICY_OPTIONS:
+        raise ValueError(f"unknown policy {kind!r}; valid: {', '.join(POLICY_OPTIONS)}")
+    allowed = POLICY_OPTIONS[kind]
+    bad = sorted(set(overrides) - set(allowed))
+    if bad:
+        raise TypeError(f"unknown option(s) {bad} for policy {kind!r}; allowed: {list(allowed)}")
+    opts = {"swap": lv.swap, **overrides}
+    if kind == "fixed":
+        return FixedBits(opts.pop("bits", lv.bits), **opts)
+    if kind == "auto":
+        return AutoPrecision(opts.pop("avg_bits", lv.bits or 4), **opts)
+    return ACGC(**opts)
+
+
+def as_policy(policy: Any) -> Policy:
+    """A :class:`Policy` from a Policy, a level name or a number of bits."""
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str) and policy in POLICY_OPTIONS:
+        return make_policy(policy=policy)
+    if isinstance(policy, (str, HookLevel)):
+        return make_policy(policy)
+    if isinstance(policy, int) and not isinstance(policy, bool):
+        return FixedBits(policy)
+    if policy is None:
+        return FixedBits(None)
+    raise TypeError(
+        f"policy must be a level name ({', '.join(HOOK_LEVELS)}), bits 1..8, None or a "
+        f"Policy, got {policy!r}"
+    )

@@ -1,0 +1,342 @@
+"""Saved-tensor hooks route: what is compressed, how it is restored, what it composes with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from actcore import memory
+from actcore.hooks import SavedTensorCompressor, _Handle, compress_saved_tensors
+
+
+def _encoder(d: int, heads: int, ffn: int, layers: int) -> nn.Module:
+    def layer() -> nn.Module:
+        return nn.TransformerEncoderLayer(
+            d, heads, ffn, dropout=0.0, activation="gelu", batch_first=True
+        )
+
+    return nn.Sequential(*(layer() for _ in range(layers)))
+
+
+def _grads(model: nn.Module, fn, *args) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    fn(*args)
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _cos(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    x = torch.cat([t.flatten().double() for t in a])
+    y = torch.cat([t.flatten().double() for t in b])
+    return float(F.cosine_similarity(x, y, dim=0))
+
+
+def test_bert_shaped_encoder_l12_keeps_10x_fewer_bytes() -> None:
+    torch.manual_seed(0)
+    model = _encoder(768, 12, 3072, 2)
+    x = torch.randn(8, 128, 768)
+    with memory.track(model) as plain:
+        out = model(x)
+    del out
+    with compress_saved_tensors("L1.2", model=model), memory.track(model) as packed:
+        out = model(x)
+    assert packed.hooks == "foreign"  # counted from what our pack hook reported
+    assert plain.retained_bytes > 90e6
+    ratio = plain.retained_bytes / packed.retained_bytes
+    assert ratio >= 10.0, ratio
+    del out
+
+
+def test_l0_gradients_bitwise_equal() -> None:
+    torch.manual_seed(0)
+    model = _encoder(64, 4, 128, 2)
+    x = torch.randn(4, 16, 64)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+
+    exact = _grads(model, step)
+    with compress_saved_tensors("L0", model=model):
+        hooked = _grads(model, step)
+    assert all(torch.equal(a, b) for a, b in zip(exact, hooked, strict=True))
+
+
+def test_eight_bit_gradients_cosine() -> None:
+    torch.manual_seed(0)
+    model = _encoder(64, 4, 128, 2)
+    x = torch.randn(4, 32, 64)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+
+    exact = _grads(model, step)
+    with compress_saved_tensors("L1.1", model=model, min_numel=64):
+        hooked = _grads(model, step)
+    assert _cos(exact, hooked) >= 0.99
+
+
+def test_what_passes_through_and_what_is_packed() -> None:
+    lin = nn.Linear(64, 64)
+    engine = SavedTensorCompressor(2, model=lin, min_numel=256)
+    weight_view = lin.weight.t()
+    h = engine.pack(weight_view)  # linear saves weight.t(): a view of a parameter
+    assert h.tensor is not None and h.stored is None
+    assert engine.pack(torch.randint(0, 9, (1000,))).tensor is not None  # integers
+    assert engine.pack(torch.randn(100)).tensor is not None  # small
+    buf = lin.weight.detach()  # same storage as a parameter, not a Parameter object
+    assert engine.pack(buf).tensor is not None
+    mask = torch.rand(4096) > 0.5
+    hm = engine.pack(mask)
+    assert hm.stored is not None and sum(t.nbytes for t in hm.stored.tensors) == 4096 // 8
+    assert torch.equal(engine.unpack(hm), mask)
+    act = torch.randn(32, 64)
+    ha = engine.pack(act)
+    assert ha.stored is not None
+    packed_bytes = sum(t.nbytes for t in ha.stored.tensors)
+    assert packed_bytes < act.nbytes / 8
+    back = engine.unpack(ha)
+    assert back.dtype == act.dtype and back.shape == act.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_views_restore_shape_strides_and_values(dtype: torch.dtype) -> None:
+    engine = SavedTensorCompressor(8, min_numel=1)
+    base = torch.randn(16, 32, 8).to(dtype)
+    bcast = torch.randn(16, 1, 8).to(dtype).expand(16, 5, 8)
+    gappy = base[:, ::2]  # not dense: restored contiguous, same values
+    for view in (base, base.transpose(0, 1), base.permute(2, 0, 1), bcast, gappy):
+        h = engine.pack(view)
+        assert isinstance(h, _Handle) and h.stored is not None
+        out = engine.unpack(h)
+        assert out.dtype == view.dtype and out.shape == view.shape
+        if view is not gappy:
+            assert out.stride() == view.stride()
+        step = (view.float().amax() - view.float().amin()) / 255
+        assert (out.float() - view.float()).abs().max() <= 1.01 * step + 1e-2
+
+
+def test_same_storage_saved_twice_is_stored_once() -> None:
+    engine = SavedTensorCompressor(4, min_numel=1)
+    x = torch.randn(64, 64)
+    a, b, c = engine.pack(x), engine.pack(x), engine.pack(x.t())
+    assert a.stored is b.stored is c.stored
+    y = x.clone()
+    assert engine.pack(y).stored is not a.stored
+    x.add_(1)  # a new version of x is new data
+    assert engine.pack(x).stored is not a.stored
+    # through autograd: x * x saves x twice, counted once by memory accounting
+    w = torch.randn(64, 64, requires_grad=True)
+    with compress_saved_tensors(4, min_numel=1), memory.track() as once:
+        z = w * 1.0
+        out = z * z
+    with compress_saved_tensors(4, min_numel=1), memory.track() as twice:
+        z1, z2 = w * 1.0, w * 2.0
+        out2 = z1 * z2
+    assert once.retained_bytes > 0 and twice.retained_bytes == 2 * once.retained_bytes
+    del out, out2
+
+
+def test_relu_output_keeps_its_exact_mask() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, requires_grad=True)
+    w = torch.randn(256, 256, requires_grad=True)
+    with compress_saved_tensors(1, min_numel=1):
+        y = torch.relu(x) * 0.01  # many small positives that 1-bit rounding would zero
+    y.sum().backward()
+    assert torch.equal(x.grad, (x > 0).float() * 0.01)
+    del w
+
+
+def test_inplace_modification_of_saved_tensor_raises() -> None:
+    x = torch.randn(64, 64, requires_grad=True)
+    with compress_saved_tensors(4, min_numel=1):
+        y = torch.sigmoid(x)  # saves its output
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    with compress_saved_tensors(4, min_numel=10**9):  # pass-through path checks too
+        z = torch.sigmoid(x)
+    z.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+
+def test_retain_graph_second_backward_same_gradient() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    x = torch.randn(16, 32)
+    with compress_saved_tensors(4, model=model, min_numel=1):
+        loss = model(x).square().sum()
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss.backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(first, model.parameters(), strict=True))
+
+
+def test_sdpa_and_bf16_autocast() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, requires_grad=True) for _ in range(3))
+
+    def attn() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum().backward()
+
+    attn()
+    exact = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    with compress_saved_tensors(8, min_numel=1):
+        attn()
+    assert _cos(exact, [t.grad for t in (q, k, v)]) >= 0.99
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().square().mean().backward()
+
+    ref = _grads(model, step)
+    with memory.track(model) as plain, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    del out
+    with compress_saved_tensors(8, model=model, min_numel=1):
+        with memory.track(model) as packed, torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        out.float().square().mean().backward()
+        hooked = [p.grad.clone() for p in model.parameters()]
+    assert packed.retained_bytes < 0.75 * plain.retained_bytes  # bf16 compressed too
+    assert _cos(ref, hooked) >= 0.99
+
+
+def test_checkpoint_innermost_hooks_win() -> None:
+    """Inside a checkpointed region checkpoint's own (innermost) hooks see the saved tensors
+    and recompute them; our hooks see only what checkpoint keeps: its inputs."""
+    torch.manual_seed(0)
+    model = _encoder(32, 4, 64, 2)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+
+    def step() -> None:
+        checkpoint(model, x, use_reentrant=False).sum().backward()  # sum saves nothing
+
+    plain = _grads(model, step)
+    engine = compress_saved_tensors(8, model=model, min_numel=1)
+    seen: list[torch.Size] = []
+    pack = engine.pack
+    engine.pack = lambda t: (seen.append(t.shape), pack(t))[1]  # type: ignore[method-assign]
+    with engine:
+        hooked = _grads(model, step)
+    assert seen == [x.shape]  # only the checkpoint's input went through our hooks
+    assert _cos(plain, hooked) >= 0.99
+    with compress_saved_tensors("L0", model=model):
+        assert all(torch.equal(a, b) for a, b in zip(plain, _grads(model, step), strict=True))
+
+    def partial() -> None:  # compressed outside the checkpointed part, recomputed inside
+        h = model[0](x)
+        checkpoint(model[1], h, use_reentrant=False).square().mean().backward()
+
+    exact = _grads(model, partial)
+    with compress_saved_tensors(8, model=model, min_numel=1):
+        mixed = _grads(model, partial)
+    assert _cos(exact, mixed) >= 0.99
+
+
+def test_linear_gradients_unbiased_within_theory() -> None:
+    """Weight gradients are linear in saved inputs, so stochastic rounding is unbiased.
+
+    With n independent draws the mean's squared error has expectation tr(Cov)/n; Markov's
+    inequality bounds it by 20 tr(Cov)/n with probability 0.95; the seeds are fixed.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 16))
+    x = torch.randn(16, 32)
+    r = torch.randn(16, 16)
+
+    def step() -> None:
+        (model(x) * r).sum().backward()
+
+    exact = torch.cat([g.flatten() for g in _grads(model, step)]).double()
+    draws = []
+    for _ in range(60):
+        with compress_saved_tensors(2, model=model, min_numel=1):
+            draws.append(torch.cat([g.flatten() for g in _grads(model, step)]).double())
+    g = torch.stack(draws)
+    n = g.shape[0]
+    err = (g.mean(0) - exact).square().sum()
+    trace_cov = g.var(0).sum()
+    assert trace_cov > 0  # the gradients really are noisy
+    assert err <= 20 * trace_cov / n
+    assert (g.mean(0) - exact).square().sum() < 0.1 * (g[0] - exact).square().sum()
+
+
+def test_gnn_and_cnn_train_through_hooks() -> None:
+    torch.manual_seed(0)
+    n_nodes, n_edges, feat = 200, 800, 16
+    src = torch.randint(0, n_nodes, (n_edges,))
+    dst = torch.randint(0, n_nodes, (n_edges,))
+    x = torch.randn(n_nodes, feat)
+    labels = torch.randint(0, 4, (n_nodes,))
+
+    class GNN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin1, self.lin2 = nn.Linear(feat, 32), nn.Linear(32, 4)
+
+        def propagate(self, h: torch.Tensor) -> torch.Tensor:
+            msg = h.index_select(0, src)
+            return torch.zeros_like(h).index_add(0, dst, msg) + h
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.propagate(self.lin1(h)))
+            return self.propagate(self.lin2(h))
+
+    cnn = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+    images = torch.randn(16, 3, 16, 16)
+    img_labels = torch.randint(0, 4, (16,))
+
+    def train(model: nn.Module, inp: torch.Tensor, y: torch.Tensor, hooks: bool) -> list[float]:
+        torch.manual_seed(1)
+        for p in model.parameters():
+            p.data.copy_(torch.randn_like(p) * 0.3)
+        opt = torch.optim.Adam(model.parameters(), lr=3e-2)
+        losses = []
+        with compress_saved_tensors(4 if hooks else "L0", model=model, min_numel=64):
+            for _ in range(10):
+                opt.zero_grad()
+                loss = F.cross_entropy(model(inp), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        return losses
+
+    for model, inp, y in ((GNN(), x, labels), (cnn, images, img_labels)):
+        exact = train(model, inp, y, hooks=False)
+        hooked = train(model, inp, y, hooks=True)
+        assert hooked[0] == pytest.approx(exact[0], rel=1e-5)  # same start
+        assert exact[-1] < exact[0]
+        # at least 3/4 of the exact run's progress, unmodified model code
+        assert hooked[0] - hooked[-1] >= 0.75 * (exact[0] - exact[-1]), (exact, hooked)
+
+
+def test_bad_policy_errors_name_value() -> None:
+    with pytest.raises(ValueError, match=r"'L9'.*L0, L1, L1\.1"):
+        compress_saved_tensors("L9")
+    with pytest.raises(ValueError, match=r"in 1\.\.8, got 9"):
+        compress_saved_tensors(9)
+    with pytest.raises(TypeError, match="policy must be"):
+        compress_saved_tensors(2.5)
+    with pytest.raises(ValueError, match="min_numel"):
+        compress_saved_tensors(4, min_numel=-1)
