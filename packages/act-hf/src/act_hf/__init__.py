@@ -1,12 +1,44 @@
 """act_hf: the Hugging Face adapter of ACT (activation-compressed training for PyTorch).
 
-Skeleton package. ``act_hf.convert(model, ...)`` for any ``PreTrainedModel`` and an
-attention function registered through transformers' attention interface land in their
-own issue.
+``act_hf.convert(model, level="L3")`` compresses what any ``PreTrainedModel`` keeps for
+backward: linear/``Conv1D``/norm inputs quantized, activation derivatives at a few bits,
+dropout masks at 1 bit, and attention through the ``act_eager`` attention function
+registered in transformers' ``AttentionInterface``. ``ACTCallback`` does it under ``Trainer``.
 """
 
 from __future__ import annotations
 
+from .attention import (
+    ATTENTION_NAME,
+    act_eager_attention_forward,
+    attention_bits,
+    register_attention,
+)
+from .convert import HFConversionReport, convert, default_fewbit_bits
+from .layers import QConv1D
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+register_attention()
+
+
+def __getattr__(name: str):
+    if name == "ACTCallback":  # imports transformers' trainer machinery only when asked
+        from .trainer import ACTCallback
+
+        return ACTCallback
+    raise AttributeError(f"module 'act_hf' has no attribute {name!r}")
+
+
+__all__ = [
+    "ATTENTION_NAME",
+    "ACTCallback",
+    "HFConversionReport",
+    "QConv1D",
+    "__version__",
+    "act_eager_attention_forward",
+    "attention_bits",
+    "convert",
+    "default_fewbit_bits",
+    "register_attention",
+]
