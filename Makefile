@@ -32,7 +32,7 @@ $(VENV)/.act-tools.stamp: tools/requirements-dev.txt tools/requirements-lint.txt
 
 $(VENV)/.act-demo.stamp: tools/torch_site.py packages/actcore/pyproject.toml | $(VPY)
 	$(VPY) tools/torch_site.py link
-	$(VPY) -m pip install -e packages/actcore
+	$(VPY) -m pip install -e 'packages/actcore[bench]'
 	touch $@
 
 demo: $(VENV)/.act-demo.stamp

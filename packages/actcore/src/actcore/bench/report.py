@@ -1,0 +1,235 @@
+"""Results of a benchmark: the machine they came from, terminal tables, JSON, progress bars.
+
+Every JSON result is ``{"benchmark", "machine", "torch", "date", "command", "config",
+"partial", "rows": [...]}``. :func:`run_guarded` runs a benchmark so that Ctrl-C keeps what
+was measured so far (table and JSON, ``"partial": true``) and exits 130.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EXIT_INTERRUPTED = 130
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux), else what platform reports."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _memory_bytes() -> int | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU, cores, memory, GPU (when CUDA is available), OS and Python of this machine."""
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_bytes": _memory_bytes(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "gpu": None,
+        "gpu_memory_bytes": None,
+        "cuda": torch.version.cuda,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info["gpu"] = props.name
+        info["gpu_memory_bytes"] = props.total_memory
+    return info
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that reproduces a run, as typed (``actcore bench ...``)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return shlex.join(["actcore", *args])
+
+
+def result(
+    benchmark: str,
+    rows: list[dict[str, Any]],
+    config: dict[str, Any],
+    *,
+    partial: bool = False,
+    argv: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """The JSON envelope of a benchmark's rows."""
+    return {
+        "benchmark": benchmark,
+        "machine": machine_info(),
+        "torch": torch.__version__,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(argv),
+        "config": config,
+        "partial": partial,
+        "rows": rows,
+    }
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe values: NaN/inf become null, tuples lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
+    """Write ``data`` to ``path`` (parents created), atomically: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_clean(data), indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Terminal output
+# --------------------------------------------------------------------------------------------
+
+
+def console(stderr: bool = False) -> Any:
+    """A rich console on stdout (or stderr), created now so redirections are honoured."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else 120
+    return Console(file=stream, width=width, highlight=False)
+
+
+@dataclass(frozen=True)
+class Column:
+    """A table column: the row key, its header and how to format the value."""
+
+    key: str
+    header: str
+    fmt: Callable[[Any], str] = str
+    justify: str = "right"
+
+
+def fmt_bytes(n: int | None) -> str:
+    from ..memory import format_bytes
+
+    return "-" if n is None else format_bytes(int(n))
+
+
+def fmt_float(digits: int, suffix: str = "") -> Callable[[Any], str]:
+    def fmt(v: Any) -> str:
+        return "-" if v is None else f"{v:.{digits}f}{suffix}"
+
+    return fmt
+
+
+def table(title: str, columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> Any:
+    """A rich ``Table`` of ``rows`` (missing keys shown as '-')."""
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for col in columns:
+        t.add_column(col.header, justify=col.justify)  # type: ignore[arg-type]
+    for row in rows:
+        t.add_row(
+            *(col.fmt(row[col.key]) if row.get(col.key) is not None else "-" for col in columns)
+        )
+    return t
+
+
+def markdown(columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> str:
+    """``rows`` as a Markdown table (for BENCHMARKS.md), formatted as in the terminal."""
+    lines = [
+        "| " + " | ".join(c.header for c in columns) + " |",
+        "|" + "|".join(":---" if c.justify == "left" else "---:" for c in columns) + "|",
+    ]
+    for row in rows:
+        cells = (c.fmt(row[c.key]) if row.get(c.key) is not None else "-" for c in columns)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def progress(total: int, description: str, enabled: bool = True) -> Iterator[Callable[..., None]]:
+    """A progress bar on stderr; yields ``advance(n=1, description=None)``."""
+    if not enabled:
+        yield lambda n=1, description=None: None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console(stderr=True),
+        transient=True,
+    )
+    with bar:
+        task = bar.add_task(description, total=total)
+
+        def advance(n: int = 1, description: str | None = None) -> None:
+            if description is not None:
+                bar.update(task, description=description)
+            bar.advance(task, n)
+
+        yield advance
+
+
+def run_guarded(
+    benchmark: str,
+    runner: Callable[[list[dict[str, Any]]], None],
+    *,
+    config: dict[str, Any],
+    json_path: str | None,
+    show: Callable[[list[dict[str, Any]]], None],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """Run ``runner(rows)``, which appends rows as it goes; show and save them.
+
+    On Ctrl-C the rows collected so far are shown and written (``"partial": true``) and the
+    exit code is 130; otherwise 0.
+    """
+    rows: list[dict[str, Any]] = []
+    interrupted = False
+    try:
+        runner(rows)
+    except KeyboardInterrupt:
+        interrupted = True
+    show(rows)
+    if json_path:
+        data = result(benchmark, rows, config, partial=interrupted, argv=argv)
+        path = write_json(json_path, data)
+        note = " (partial)" if interrupted else ""
+        console(stderr=True).print(f"wrote {path}{note}")
+    if interrupted:
+        console(stderr=True).print(
+            f"interrupted: kept {len(rows)} row(s)"
+            + ("" if json_path else "; pass --json FILE to save them")
+        )
+        return EXIT_INTERRUPTED
+    return 0

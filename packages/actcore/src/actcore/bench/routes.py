@@ -1,0 +1,99 @@
+"""How a benchmark applies a level to a model: layer swap (``convert``) or saved-tensor hooks.
+
+``fp`` is the untouched model (plain PyTorch), the reference every ratio is taken against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import nn
+
+from ..config import LEVELS
+
+FP = "fp"
+ROUTES = ("layers", "hooks")
+HOOKS_UNAVAILABLE = "hooks route not available in this version (actcore.Controller is missing)"
+
+
+class RouteUnavailable(RuntimeError):
+    """The requested route does not exist in this version of actcore."""
+
+
+def hooks_available() -> bool:
+    """Whether this actcore has the saved-tensor hooks route (``actcore.Controller``)."""
+    import actcore
+
+    return hasattr(actcore, "Controller")
+
+
+def _controller(model: nn.Module, level: str) -> Any:
+    import actcore
+
+    if not hooks_available():
+        raise RouteUnavailable(HOOKS_UNAVAILABLE)
+    return actcore.Controller(model, level=level)
+
+
+def check_levels(levels: list[str], route: str = "layers") -> list[str]:
+    """``levels`` if each is valid for ``route`` (``fp`` always is), else ValueError.
+
+    The error names the bad level and lists the valid ones; an unavailable route raises
+    :class:`RouteUnavailable`.
+    """
+    if route not in ROUTES:
+        raise ValueError(f"unknown route {route!r}; valid routes: {', '.join(ROUTES)}")
+    if not levels:
+        raise ValueError("no levels given")
+    if route == "layers":
+        valid = [FP, *LEVELS]
+        for level in levels:
+            if level not in valid:
+                raise ValueError(f"unknown level {level!r}; valid levels: {', '.join(valid)}")
+        return levels
+    if not hooks_available():
+        raise RouteUnavailable(HOOKS_UNAVAILABLE)
+    try:
+        from ..policies import HOOK_LEVELS
+    except ImportError:  # no table: the Controller knows its levels, ask it on a throwaway
+        for level in levels:
+            if level != FP:
+                try:
+                    _controller(nn.Linear(1, 1), level)
+                except (ValueError, KeyError) as err:
+                    raise ValueError(f"level {level!r} of the hooks route: {err}") from None
+        return levels
+    valid = [FP, *HOOK_LEVELS]
+    for level in levels:
+        if level not in valid:
+            raise ValueError(
+                f"unknown level {level!r} for --route hooks; valid levels: {', '.join(valid)}"
+            )
+    return levels
+
+
+@contextlib.contextmanager
+def applied(model: nn.Module, level: str, route: str = "layers") -> Iterator[Callable | None]:
+    """Run the block with ``level`` applied to ``model`` by ``route``.
+
+    Yields a callable ``after_step(backprop)`` to call after each training step (the hooks
+    route's ``Controller.iterate``), or None. Layer swap converts ``model`` in place.
+    """
+    if level == FP:
+        yield None
+        return
+    if route == "layers":
+        import actcore
+
+        actcore.convert(model, level=level)
+        yield None
+        return
+    ctrl = _controller(model, level)
+    ctrl.install_hook()
+    try:
+        iterate = getattr(ctrl, "iterate", None)
+        yield iterate if callable(iterate) else None
+    finally:
+        ctrl.uninstall_hook()

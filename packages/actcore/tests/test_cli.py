@@ -1,0 +1,320 @@
+"""The ``actcore`` command line: argument errors, JSON results, tiny end-to-end runs, Ctrl-C."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import actcore
+from actcore import cli
+from actcore.bench import accuracy, memory, report, sweep
+from actcore.bench.routes import HOOKS_UNAVAILABLE
+
+TINY = ["--model", "tiny-cnn", "--batch", "4", "--steps", "1", "--quiet", "--threads", "1"]
+ENVELOPE = {"benchmark", "machine", "torch", "date", "command", "config", "partial", "rows"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: one torch thread is as fast, and far faster on a busy shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_cli(args: list[str]) -> int:
+    """``cli.main(args)``, with argparse's SystemExit turned into its code."""
+    try:
+        return cli.main(args)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+
+def load(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    assert set(data) >= ENVELOPE
+    return data
+
+
+# --------------------------------------------------------------------------------------------
+# argument errors
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["memory", "accuracy", "sweep", "max-batch"])
+def test_unknown_level_names_it_and_the_valid_ones(command, capsys):
+    assert run_cli(["bench", command, "--levels", "fp,L9"]) == 2
+    err = capsys.readouterr().err
+    assert "'L9'" in err
+    for level in ["fp", *actcore.LEVELS]:
+        assert level in err
+
+
+def test_unknown_model_lists_the_choices(capsys):
+    assert run_cli(["bench", "memory", "--model", "resnet5"]) == 2
+    err = capsys.readouterr().err
+    assert "'resnet5'" in err and "tiny-cnn" in err and "digits-cnn" in err
+    pytest.importorskip("torchvision")
+    assert "resnet50" in err and "did you mean" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["bench", "accuracy", "--task", "mnist"], ["'mnist'", "digits"]),
+        (["bench", "memory", "--batch", "0"], ["positive integer", "0"]),
+        (["bench", "memory", "--route", "graph"], ["'graph'", "layers", "hooks"]),
+        (["bench", "sweep", "--batches", "2,x"], ["--batches", "2,x"]),
+        (["bench", "kernels", "--bits", "9"], ["--bits", "1..8", "9"]),
+        (["bench", "memory", "--threads", "0"], ["--threads", ">= 1", "0"]),
+        (["bench", "frobnicate"], ["'frobnicate'", "memory", "accuracy", "max-batch"]),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_clear_message(args, words, capsys):
+    assert run_cli(args) == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err
+
+
+def test_hooks_route_missing_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.delattr(actcore, "Controller", raising=False)
+    assert run_cli(["bench", "memory", *TINY, "--route", "hooks", "--levels", "L3"]) == 2
+    assert HOOKS_UNAVAILABLE in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(actcore, "Controller"), reason="no hooks route in this version")
+def test_unknown_hooks_level_lists_the_hooks_levels(capsys):
+    from actcore.policies import HOOK_LEVELS
+
+    assert run_cli(["bench", "memory", *TINY, "--route", "hooks", "--levels", "L3.1"]) == 2
+    err = capsys.readouterr().err
+    assert "'L3.1'" in err and "--route hooks" in err
+    for level in ["fp", *HOOK_LEVELS]:
+        assert level in err
+
+
+def test_the_console_script_exits_2_on_a_bad_level():
+    proc = subprocess.run(
+        [sys.executable, "-m", "actcore.cli", "bench", "accuracy", "--levels", "L42"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "'L42'" in proc.stderr and "L3" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# JSON results of tiny runs
+# --------------------------------------------------------------------------------------------
+
+
+def test_memory_json_schema_and_ratios(tmp_path, capsys):
+    out = tmp_path / "mem.json"
+    assert run_cli(["bench", "memory", *TINY, "--levels", "L0,L3", "--json", str(out)]) == 0
+    data = load(out)
+    assert data["benchmark"] == "memory" and data["partial"] is False
+    assert data["torch"] == torch.__version__
+    assert data["machine"]["cores"] >= 1 and data["machine"]["cpu"]
+    assert dt.datetime.fromisoformat(data["date"]).tzinfo is not None
+    assert data["command"].startswith("actcore ")
+    rows = data["rows"]
+    assert [r["level"] for r in rows] == ["fp", "L0", "L3"]  # fp first: the reference
+    fp = rows[0]["retained_bytes"]
+    for row in rows:
+        assert isinstance(row["retained_bytes"], int) and row["retained_bytes"] > 0
+        assert row["ratio"] == pytest.approx(fp / row["retained_bytes"])
+        assert row["step_time_s"] > 0
+        assert row["throughput"] == pytest.approx(4 / row["step_time_s"])
+        assert row["gpu_peak_bytes"] is None  # CPU run
+        assert row["device_bytes"] == row["retained_bytes"]  # all of it in host memory
+    held = [r["retained_bytes"] for r in rows]
+    assert held[2] < held[1] < held[0]  # each level keeps less for backward
+    assert rows[2]["ratio"] > 4
+    table = capsys.readouterr().out
+    assert "held for backward" in table and "L3" in table
+
+
+def test_memory_fp_row_matches_an_independent_count():
+    rows: list[dict] = []
+    cfg = memory.MemoryConfig(model="tiny-cnn", batch=3, levels=["fp"], steps=1, device="cpu")
+    memory.run(cfg, rows)
+    torch.manual_seed(0)
+    model, shape, _ = memory.build_model("tiny-cnn")
+    _, rep = actcore.memory.measure(model, torch.randn(3, *shape))
+    assert rows[0]["retained_bytes"] == rep.retained_bytes
+
+
+def test_accuracy_json_schema_and_statistics(tmp_path):
+    out = tmp_path / "acc.json"
+    args = ["bench", "accuracy", "--levels", "fp,L3", "--seeds", "2", "--epochs", "1"]
+    assert run_cli([*args, "--quiet", "--json", str(out)]) == 0
+    data = load(out)
+    assert data["benchmark"] == "accuracy" and data["config"]["epochs"] == 1
+    rows = data["rows"]
+    assert [r["level"] for r in rows] == ["fp", "L3"]
+    for row in rows:
+        accs = row["accuracies"]
+        assert len(accs) == 2 and row["seeds"] == [0, 1]
+        assert row["accuracy_mean"] == pytest.approx(statistics.fmean(accs))
+        assert row["accuracy_std"] == pytest.approx(statistics.stdev(accs))
+        assert all(0.5 < a <= 1.0 for a in accs)  # one epoch already learns digits (chance 0.1)
+    assert rows[1]["delta_points"] == pytest.approx(
+        100 * (rows[1]["accuracy_mean"] - rows[0]["accuracy_mean"])
+    )
+
+
+def test_digits_split_is_fixed_and_disjoint():
+    a, b = accuracy.load_task("digits"), accuracy.load_task("digits")
+    assert torch.equal(a.x_test, b.x_test) and len(a.y_test) == 450 and len(a.y_train) == 1347
+    train = {tuple(x.flatten().tolist()) for x in a.x_train}
+    overlap = sum(tuple(x.flatten().tolist()) in train for x in a.x_test)
+    assert overlap < 10  # digits has a few duplicate images, not a leaked split
+
+
+# --------------------------------------------------------------------------------------------
+# end-to-end runs of each CPU subcommand
+# --------------------------------------------------------------------------------------------
+
+DEMO_TINY = ["--model", "tiny-cnn", "--batch", "2", "--levels", "L3", "--epochs", "1"]
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench"]])
+def test_demo_and_bare_bench_print_the_summary(command, tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    assert run_cli([*command, *DEMO_TINY, "--quiet", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Memory: at L3, tiny-cnn holds" in text
+    assert "Accuracy: digits test accuracy" in text and "without ACT" in text
+    rows = load(out)["rows"]
+    assert {r["benchmark"] for r in rows} == {"memory", "accuracy"}
+    assert [r["level"] for r in rows if r["benchmark"] == "accuracy"] == ["fp", "L3"]
+
+
+def test_sweep_writes_rows_and_a_png(tmp_path):
+    png, out = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    args = ["bench", "sweep", "--model", "tiny-cnn", "--levels", "fp,L3", "--batches", "4,2"]
+    assert run_cli([*args, "--steps", "1", "--quiet", "--png", str(png), "--json", str(out)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = load(out)["rows"]
+    assert [(r["level"], r["batch"]) for r in rows] == [("fp", 2), ("fp", 4), ("L3", 2), ("L3", 4)]
+    assert all(not r["oom"] and r["throughput"] > 0 for r in rows)
+
+
+def test_sweep_plot_marks_out_of_memory_with_a_red_cross():
+    rows = [
+        {"level": "fp", "batch": 2, "oom": False, "throughput": 10.0},
+        {"level": "fp", "batch": 4, "oom": True},
+        {"level": "L3", "batch": 2, "oom": False, "throughput": 8.0},
+        {"level": "L3", "batch": 4, "oom": False, "throughput": 9.0},
+    ]
+    fig = sweep.figure(sweep.SweepConfig(model="tiny-cnn"), rows)
+    crosses = [
+        line
+        for line in fig.axes[0].get_lines()
+        if line.get_marker() == "x" and line.get_color() == "red"
+    ]
+    assert len(crosses) == 1 and list(crosses[0].get_xdata()) == [4]
+
+
+@pytest.mark.parametrize("command", ["max-batch", "kernels"])
+def test_gpu_benchmarks_on_cpu_give_a_clear_message(command, capsys):
+    assert run_cli(["bench", command, "--device", "cpu", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"actcore bench {command} needs a CUDA GPU" in err
+
+
+@pytest.mark.skipif(not hasattr(actcore, "Controller"), reason="no hooks route in this version")
+def test_memory_through_the_hooks_route(tmp_path):
+    out = tmp_path / "hooks.json"
+    assert run_cli(["bench", "memory", *TINY, "--route", "hooks", "--levels", "L3"]) == 0
+    assert run_cli(["bench", "memory", *TINY, "--route", "hooks", "--json", str(out)]) == 0
+    rows = load(out)["rows"]
+    assert all(r["route"] == "hooks" for r in rows)
+    assert rows[-1]["retained_bytes"] < rows[0]["retained_bytes"]
+
+
+# --------------------------------------------------------------------------------------------
+# Ctrl-C keeps the partial results
+# --------------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_in_memory_keeps_the_levels_measured(tmp_path, monkeypatch):
+    real = memory.measure_level
+    calls = []
+
+    def interrupted_after_one(cfg, level, device):
+        calls.append(level)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(cfg, level, device)
+
+    monkeypatch.setattr(memory, "measure_level", interrupted_after_one)
+    out = tmp_path / "partial.json"
+    args = ["bench", "memory", *TINY, "--levels", "L0,L3", "--json", str(out)]
+    assert run_cli(args) == report.EXIT_INTERRUPTED == 130
+    data = load(out)
+    assert data["partial"] is True
+    assert [r["level"] for r in data["rows"]] == ["fp"] and data["rows"][0]["retained_bytes"] > 0
+
+
+def test_ctrl_c_in_accuracy_keeps_finished_seeds(tmp_path, monkeypatch):
+    seeds_done = []
+
+    def fake_train(cfg, split, level, seed):
+        if level == "L3" and seed == 1:
+            raise KeyboardInterrupt
+        seeds_done.append((level, seed))
+        return 0.9 + 0.01 * seed
+
+    monkeypatch.setattr(accuracy, "train_once", fake_train)
+    out = tmp_path / "partial.json"
+    args = ["bench", "accuracy", "--levels", "fp,L3", "--seeds", "3", "--quiet"]
+    assert run_cli([*args, "--json", str(out)]) == 130
+    data = load(out)
+    assert data["partial"] is True
+    fp, l3 = data["rows"]
+    assert fp["accuracies"] == pytest.approx([0.9, 0.91, 0.92]) and "partial" not in fp
+    assert l3["partial"] is True and l3["seeds"] == [0] and l3["accuracies"] == [0.9]
+    assert seeds_done == [("fp", 0), ("fp", 1), ("fp", 2), ("L3", 0)]
+
+
+# --------------------------------------------------------------------------------------------
+# the native subcommand is optional
+# --------------------------------------------------------------------------------------------
+
+
+def _commands(parser) -> set[str]:
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return set(sub.choices)
+
+
+def test_native_subcommand_is_skipped_when_missing(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "actcore.native.cli", None)
+    commands = _commands(cli.build_parser())
+    assert {"demo", "bench"} <= commands and "native" not in commands
+    assert capsys.readouterr().err == ""  # a plain absence is silent
+
+
+def test_native_subcommand_is_registered_when_present():
+    pytest.importorskip("actcore.native.cli")
+    assert "native" in _commands(cli.build_parser())
+
+
+def test_threads_option_is_restored_after_the_command(monkeypatch):
+    seen = []
+    monkeypatch.setattr(
+        "actcore.bench.kernels.main", lambda args: seen.append(torch.get_num_threads()) or 0
+    )
+    torch.set_num_threads(2)
+    assert run_cli(["bench", "kernels", "--threads", "1"]) == 0
+    assert seen == [1] and torch.get_num_threads() == 2
