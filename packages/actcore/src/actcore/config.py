@@ -2,6 +2,12 @@
 
 ``actcore.set_optimization_level("L3")`` picks the level that Q-layers use unless
 ``convert(model, level=...)`` gave them their own. The table of levels is ``LEVELS``.
+
+Notes per level: L3 and above attach an :class:`actcore.adaptive.AdaptiveBits` (per-sample
+and per-layer bits around the 2-bit average). L3.1 only changes the convolution backward
+(micro-batches, same gradients up to summation order). L4, L5 and ``swap`` move saved
+tensors of CUDA activations to pinned host memory; activations already on the CPU have
+nowhere to go, so there L4/L5 store exactly what L3 stores and ``swap`` what L0 stores.
 """
 
 from __future__ import annotations

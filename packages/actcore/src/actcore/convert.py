@@ -94,9 +94,24 @@ def convert(
         module.__class__ = target
         module.act_level = spec.name
         report.converted[name] = target.__name__
+    _set_adaptive(model, spec.adaptive)
     model.act_report = report
     log.info("%s", report)
     return model
+
+
+def _set_adaptive(model: nn.Module, adaptive: bool) -> None:
+    """Attach (or keep) one :class:`AdaptiveBits` at adaptive levels, else detach it."""
+    from .adaptive import AdaptiveBits
+
+    scheme = getattr(model, "act_adaptive", None)
+    if adaptive:
+        if not isinstance(scheme, AdaptiveBits):
+            scheme = AdaptiveBits()
+        model.act_adaptive = scheme.attach(model)
+    elif scheme is not None:
+        AdaptiveBits.detach(model)
+        model.act_adaptive = None
 
 
 def _base_name(module: nn.Module) -> str:

@@ -66,20 +66,44 @@ def layer_spec(layer: Any) -> LevelSpec:
 
 
 def choose(layer: Any, role: str, x: torch.Tensor) -> Compressor:
-    """The compressor for tensor ``x`` that ``layer`` saves in ``role``."""
+    """The compressor for tensor ``x`` that ``layer`` saves in ``role``.
+
+    A layer's ``act_scheme`` (e.g. :class:`actcore.adaptive.AdaptiveBits`), when set, is
+    asked first through ``scheme.compressor(layer, role, x, bits, mask)`` (``bits``: the
+    level's bits for the role, ``mask``: the ReLU mask for zero-value storage or None); it
+    returns a compressor, or None for the level's default.
+    """
     spec = layer_spec(layer)
     bits = spec.conv_bits if role == CONV else spec.norm_bits
-    scheme = getattr(layer, "act_scheme", None)
-    if scheme is not None and bits is not None:
-        bits = scheme.bits_for(x, bits)
     if bits is None or x.numel() < config.min_numel or not x.is_floating_point():
         base: Compressor = IDENTITY
     else:
-        base = Quantize(bits, config.group_size, stochastic=config.stochastic)
         record = _records.get(x) if spec.zero_value else None
-        if record is not None and "mask" in record:
-            base = ZeroValue(record["mask"], Quantize(bits, config.group_size, per_sample=False))
+        mask = record.get("mask") if record is not None else None
+        scheme = getattr(layer, "act_scheme", None)
+        chosen = None if scheme is None else scheme.compressor(layer, role, x, bits, mask)
+        if chosen is not None:
+            base = chosen
+        elif mask is not None:
+            base = ZeroValue(mask, Quantize(bits, config.group_size, per_sample=False))
+        else:
+            base = Quantize(bits, config.group_size, stochastic=config.stochastic)
     return Swap(base) if spec.swap else base
+
+
+def observe(
+    ctx: Any, grad: torch.Tensor, kernel: int = 1, channel_dim: int = 1, norm: bool = False
+) -> None:
+    """Hand a layer's output gradient to its ``act_scheme`` (for gradient statistics).
+
+    ``kernel``: weights each input element meets per output position (a convolution's
+    kernel size, else 1); ``channel_dim``: the output channel dim (-1 for linear layers);
+    ``norm``: a normalization layer (its weight gradient is ``sum(grad * x_hat)``).
+    """
+    layer = getattr(ctx, "act_layer", None)
+    scheme = getattr(layer, "act_scheme", None)
+    if scheme is not None and hasattr(scheme, "observe"):
+        scheme.observe(layer, grad, kernel, channel_dim, norm)
 
 
 def stash(ctx: Any, layer: Any, items: Sequence[tuple[torch.Tensor | None, str | Compressor]]):
@@ -96,6 +120,7 @@ def stash(ctx: Any, layer: Any, items: Sequence[tuple[torch.Tensor | None, str |
         tensors.extend(packed)
     ctx.save_for_backward(*tensors)
     ctx.act_plan = plan
+    ctx.act_layer = layer
 
 
 def _pack_once(comp: Compressor, x: torch.Tensor) -> tuple[Tensors, Any]:

@@ -28,6 +28,7 @@ from .modules import (
     QMaxPool3d,
     QReLU,
     QReLU6,
+    QSyncBatchNorm,
     unsupported_reason,
 )
 
@@ -57,5 +58,6 @@ __all__ = [
     "QMaxPool3d",
     "QReLU",
     "QReLU6",
+    "QSyncBatchNorm",
     "unsupported_reason",
 ]

@@ -13,18 +13,66 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..engine import CONV, IDENTITY, NORM, layer_spec, note_mask, stash, unstash
+from ..compressors import Compressor
+from ..engine import (
+    CONV,
+    IDENTITY,
+    NORM,
+    choose,
+    layer_spec,
+    note_mask,
+    observe,
+    stash,
+    unstash,
+)
 
 aten = torch.ops.aten
 
 
-def _empty_like_shape(x: torch.Tensor) -> torch.Tensor:
-    """A zero-byte stand-in with ``x``'s shape, dtype and device (for ops that read sizes)."""
-    return x.new_zeros(()).expand(x.shape)
+class _Meta:
+    """``x``'s shape, dtype and device, for backward ops that read only those of an input.
+
+    Holds no tensor (so nothing is counted as kept for backward); ``tensor()`` builds a
+    one-element stand-in expanded to the shape when backward needs it.
+    """
+
+    __slots__ = ("device", "dtype", "shape")
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+
+    def tensor(self) -> torch.Tensor:
+        return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.shape)
+
+
+def _empty_like_shape(x: torch.Tensor) -> _Meta:
+    return _Meta(x)
 
 
 def _micro_batches(layer: Any, x: torch.Tensor) -> int:
     return max(1, min(layer_spec(layer).micro_batches, x.shape[0] if x.dim() else 1))
+
+
+def _stat_view(stat: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """A per-channel (``dim=1``) statistic shaped to broadcast against ``x``."""
+    return stat.view([-1 if d == dim else 1 for d in range(x.dim())])
+
+
+def _norm_input(
+    layer: Any, x: torch.Tensor, normalize
+) -> tuple[torch.Tensor, Compressor | str, bool]:
+    """What a normalization layer saves for ``x``: ``(tensor, how, normalized)``.
+
+    A lossy compressor gets the *normalized* input ``(x - mean) * invstd`` instead of ``x``:
+    its quantization error is then relative to each channel's (row's, group's) own spread,
+    not to the range across channels, which can be orders of magnitude larger (a channel
+    with a tiny variance would otherwise see its gradient blown up by ``invstd``). Backward
+    rebuilds ``x`` from it with the exact saved statistics.
+    """
+    comp = choose(layer, NORM, x)
+    if not comp.lossy:
+        return x, comp, False
+    return normalize(x), comp, True
 
 
 class ConvFunction(torch.autograd.Function):
@@ -45,8 +93,9 @@ class ConvFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = unstash(ctx)
+        observe(ctx, grad, kernel=math.prod(weight.shape[2:]))
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        x_for_shape = x if x is not None else ctx.input_meta
+        x_for_shape = x if x is not None else ctx.input_meta.tensor()
         chunks = _micro_batches(ctx.layer, x_for_shape) if need_w and x is not None else 1
         results = []
         for g_part, x_part in zip(grad.chunk(chunks), x_for_shape.chunk(chunks), strict=True):
@@ -73,6 +122,7 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = unstash(ctx)
+        observe(ctx, grad, channel_dim=-1)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g2 = grad.reshape(-1, grad.shape[-1])
         gx = grad.matmul(weight) if need_x else None
@@ -91,11 +141,21 @@ class BatchNormFunction(torch.autograd.Function):
         )
         ctx.training, ctx.eps, ctx.input_meta = training, eps, _empty_like_shape(x)
         keep_x = training or (weight is not None and weight.requires_grad)
+        saved_x, how, ctx.normalized = None, IDENTITY, False
+        if keep_x:
+            if training:
+                centre, scale = mean, invstd
+            else:  # eval statistics: what the backward op uses in that case
+                centre, scale = running_mean, (running_var + eps).rsqrt()
+            saved_x, how, ctx.normalized = _norm_input(
+                layer, x, lambda t: (t - _stat_view(centre, t, 1)) * _stat_view(scale, t, 1)
+            )
+            ctx.stats = (centre, scale) if ctx.normalized else None
         stash(
             ctx,
             layer,
             [
-                (x if keep_x else None, NORM),
+                (saved_x, how),
                 (weight, IDENTITY),
                 (running_mean, IDENTITY),
                 (running_var, IDENTITY),
@@ -108,10 +168,14 @@ class BatchNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, running_mean, running_var, mean, invstd = unstash(ctx)
+        observe(ctx, grad, norm=True)
+        if ctx.normalized:
+            centre, scale = ctx.stats
+            x = (x / _stat_view(scale, x, 1) + _stat_view(centre, x, 1)).to(ctx.input_meta.dtype)
         mask = list(ctx.needs_input_grad[:3])
         gx, gw, gb = aten.native_batch_norm_backward(
             grad,
-            x if x is not None else ctx.input_meta,
+            x if x is not None else ctx.input_meta.tensor(),
             weight,
             running_mean,
             running_var,
@@ -124,23 +188,108 @@ class BatchNormFunction(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None, None
 
 
+class SyncBatchNormFunction(torch.autograd.Function):
+    """Batch normalization with statistics over all ranks of a process group (training).
+
+    Forward gathers each rank's per-channel (mean, sum of squared deviations, count) and
+    combines them exactly; backward all-reduces the per-channel sums of ``grad`` and
+    ``grad * x_hat``. Parameter gradients stay local (DDP averages them).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, sync, layer):
+        import torch.distributed as dist
+
+        group, world = sync
+        c = x.shape[1]
+        dims = [0, *range(2, x.dim())]
+        xf = x.float()
+        local_mean = xf.mean(dims)
+        local_m2 = (xf - _stat_view(local_mean, xf, 1)).square().sum(dims)
+        count = torch.full((1,), x.numel() // c, dtype=torch.float32, device=x.device)
+        stats = torch.cat([local_mean, local_m2, count])
+        gathered = [torch.empty_like(stats) for _ in range(world)]
+        dist.all_gather(gathered, stats, group=group)
+        table = torch.stack(gathered)
+        means, m2s, counts = table[:, :c], table[:, c : 2 * c], table[:, 2 * c :]
+        total = counts.sum()
+        mean = (counts * means).sum(0) / total
+        m2 = m2s.sum(0) + (counts * (means - mean).square()).sum(0)
+        var = m2 / total
+        invstd = (var + eps).rsqrt()
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+        if running_var is not None:
+            unbiased = m2 / (total - 1).clamp_min(1)
+            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+        # the normalisation itself: batch norm in eval form with the global statistics
+        out = aten.native_batch_norm(x, weight, bias, mean, var, False, 0.0, eps)[0]
+        ctx.sync, ctx.total, ctx.dtype = sync, total, x.dtype
+        saved_x, how, ctx.normalized = _norm_input(
+            layer, x, lambda t: (t - _stat_view(mean, t, 1)) * _stat_view(invstd, t, 1)
+        )
+        stash(
+            ctx, layer, [(saved_x, how), (weight, IDENTITY), (mean, IDENTITY), (invstd, IDENTITY)]
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        x, weight, mean, invstd = unstash(ctx)
+        observe(ctx, grad, norm=True)
+        if ctx.normalized:
+            x_hat = x.float()
+        else:
+            x_hat = (x.float() - _stat_view(mean, x, 1)) * _stat_view(invstd, x, 1)
+        g = grad.float()
+        dims = [0, *range(2, g.dim())]
+        sum_g = g.sum(dims)
+        sum_gx = (g * x_hat).sum(dims)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        gw = sum_gx.to(weight.dtype) if need_w else None
+        gb = sum_g.to(weight.dtype) if need_b else None
+        gx = None
+        if need_x:
+            group, _ = ctx.sync
+            sums = torch.cat([sum_g, sum_gx])
+            dist.all_reduce(sums, group=group)
+            c = sum_g.numel()
+            mean_g = _stat_view(sums[:c] / ctx.total, g, 1)
+            mean_gx = _stat_view(sums[c:] / ctx.total, g, 1)
+            scale = _stat_view(invstd if weight is None else invstd * weight.float(), g, 1)
+            gx = ((g - mean_g - x_hat * mean_gx) * scale).to(ctx.dtype)
+        return gx, gw, gb, None, None, None, None, None, None
+
+
 class LayerNormFunction(torch.autograd.Function):
     """Layer normalization (aten.native_layer_norm and its backward)."""
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps, layer):
         out, mean, rstd = aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
-        ctx.normalized_shape = normalized_shape
+        ctx.normalized_shape, ctx.dtype = normalized_shape, x.dtype
+        saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: (t - mean) * rstd)
         stash(
             ctx,
             layer,
-            [(x, NORM), (weight, IDENTITY), (bias, IDENTITY), (mean, IDENTITY), (rstd, IDENTITY)],
+            [
+                (saved_x, how),
+                (weight, IDENTITY),
+                (bias, IDENTITY),
+                (mean, IDENTITY),
+                (rstd, IDENTITY),
+            ],
         )
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, bias, mean, rstd = unstash(ctx)
+        observe(ctx, grad, norm=True)
+        if ctx.normalized:
+            x = (x / rstd + mean).to(ctx.dtype)
         need_x, need_w, need_b = (ctx.needs_input_grad[i] for i in (0, 2, 3))
         gx, gw, gb = aten.native_layer_norm_backward(
             grad, x, ctx.normalized_shape, mean, rstd, weight, bias, [need_x, need_w, need_b]
@@ -156,13 +305,28 @@ class GroupNormFunction(torch.autograd.Function):
         n, c = x.shape[0], x.shape[1]
         hw = math.prod(x.shape[2:])
         out, mean, rstd = aten.native_group_norm(x, weight, bias, n, c, hw, num_groups, eps)
-        ctx.sizes = (n, c, hw, num_groups)
-        stash(ctx, layer, [(x, NORM), (weight, IDENTITY), (mean, IDENTITY), (rstd, IDENTITY)])
+        ctx.sizes, ctx.shape, ctx.dtype = (n, c, hw, num_groups), x.shape, x.dtype
+
+        def normalize(t: torch.Tensor) -> torch.Tensor:
+            grouped = t.reshape(n, num_groups, -1)
+            return ((grouped - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).view(t.shape)
+
+        saved_x, how, ctx.normalized = _norm_input(layer, x, normalize)
+        stash(
+            ctx,
+            layer,
+            [(saved_x, how), (weight, IDENTITY), (mean, IDENTITY), (rstd, IDENTITY)],
+        )
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, mean, rstd = unstash(ctx)
+        observe(ctx, grad, norm=True)
+        if ctx.normalized:
+            n, _, _, groups = ctx.sizes
+            grouped = x.reshape(n, groups, -1) / rstd.unsqueeze(-1) + mean.unsqueeze(-1)
+            x = grouped.view(ctx.shape).to(ctx.dtype)
         mask = [ctx.needs_input_grad[i] for i in (0, 2, 3)]
         gx, gw, gb = aten.native_group_norm_backward(grad, x, mean, rstd, weight, *ctx.sizes, mask)
         return gx, None, gw, gb, None, None
@@ -283,7 +447,7 @@ class MaxPoolFunction(torch.autograd.Function):
             offset = saved.long()
         kernel, stride, padding, dilation, ceil_mode = ctx.geometry
         nd = len(kernel)
-        x_meta = ctx.input_meta
+        x_meta = ctx.input_meta.tensor()
         index = _flat_index(offset, x_meta.shape[-nd:], kernel, stride, padding, dilation)
         backward = (
             aten.max_pool2d_with_indices_backward
@@ -356,5 +520,5 @@ class AvgPoolFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         backward = aten.avg_pool2d_backward if len(ctx.args[0]) == 2 else aten.avg_pool3d_backward
-        gx = backward(grad, ctx.input_meta, *ctx.args)
+        gx = backward(grad, ctx.input_meta.tensor(), *ctx.args)
         return gx, None, None, None, None, None, None, None

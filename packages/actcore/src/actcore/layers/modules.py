@@ -26,6 +26,7 @@ from .functions import (
     LinearFunction,
     MaskedActivationFunction,
     MaxPoolFunction,
+    SyncBatchNormFunction,
     note_output_mask,
 )
 
@@ -56,6 +57,59 @@ def unsupported_reason(module: nn.Module) -> str | None:
     return None
 
 
+# --- autocast: cast inputs as torch's autocast casts them for the torch layer's own op ----
+
+_LOWER = "lower"  # conv / linear: autocast's lower-precision list on every device
+_PROBES: dict[str, Any] = {
+    "batch_norm": lambda t: nn.functional.batch_norm(t, None, None, training=True),
+    "layer_norm": lambda t: nn.functional.layer_norm(t, t.shape[-1:]),
+    "group_norm": lambda t: nn.functional.group_norm(t, 1),
+    "avg_pool1d": lambda t: nn.functional.avg_pool1d(t[:, :, 0, 0], 1),
+    "avg_pool2d": lambda t: nn.functional.avg_pool2d(t[:, :, 0], 1),
+    "avg_pool3d": lambda t: nn.functional.avg_pool3d(t, 1),
+}
+_autocast_targets: dict[tuple, torch.dtype | None] = {}
+
+
+def _autocast_target(op: str, device: torch.device) -> torch.dtype | None:
+    """The dtype autocast runs ``op`` in on ``device`` now (None: it leaves inputs alone).
+
+    Conv and linear are autocast's lower-precision ops everywhere; for the others the
+    policy differs by device (e.g. layer_norm runs in fp32 on CUDA, as is on CPU), so it
+    is read off torch once: the op is run on a tiny tensor of a third floating dtype.
+    """
+    low = torch.get_autocast_dtype(device.type)
+    if op == _LOWER:
+        return low
+    key = (op, device.type, low)
+    if key not in _autocast_targets:
+        probe_dtype = torch.float16 if low == torch.bfloat16 else torch.bfloat16
+        try:
+            with torch.no_grad():
+                probe = torch.ones(2, 2, 1, 1, 1, dtype=probe_dtype, device=device)
+                got = _PROBES[op](probe).dtype
+        except RuntimeError:  # no kernel for the probe dtype: assume it runs as it is
+            got = probe_dtype
+        _autocast_targets[key] = got if got in (low, torch.float32) else None
+    return _autocast_targets[key]
+
+
+def _autocast(op: str, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``tensors`` cast as autocast casts the inputs of torch's ``op`` (unchanged when off)."""
+    x = tensors[0]
+    if not torch.is_autocast_enabled(x.device.type):
+        return tensors
+    target = _autocast_target(op, x.device)
+    if target is None:
+        return tensors
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        eligible = t is not None and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(target) if eligible else t
+
+    return tuple(cast(t) for t in tensors)
+
+
 def _numeric_padding(module: nn.modules.conv._ConvNd) -> tuple[int, ...]:
     if module.padding == "valid":
         return (0,) * len(module.kernel_size)
@@ -79,7 +133,8 @@ class _QConvNd(QLayer):
         else:
             padding = _numeric_padding(self)
         args = (self.stride, padding, self.dilation, False, (0,) * nd, self.groups)
-        return ConvFunction.apply(input, self.weight, self.bias, self, args)
+        input, weight, bias = _autocast(_LOWER, input, self.weight, self.bias)
+        return ConvFunction.apply(input, weight, bias, self, args)
 
 
 class QConv1d(_QConvNd, nn.Conv1d):
@@ -103,7 +158,8 @@ class _QConvTransposeNd(QLayer):
             input, output_size, self.stride, self.padding, self.kernel_size, nd, self.dilation
         )
         args = (self.stride, self.padding, self.dilation, True, output_padding, self.groups)
-        return ConvFunction.apply(input, self.weight, self.bias, self, args)
+        input, weight, bias = _autocast(_LOWER, input, self.weight, self.bias)
+        return ConvFunction.apply(input, weight, bias, self, args)
 
 
 class QConvTranspose1d(_QConvTransposeNd, nn.ConvTranspose1d):
@@ -122,29 +178,36 @@ class QLinear(QLayer, nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight, self.bias):
             return super().forward(input)
-        return LinearFunction.apply(input, self.weight, self.bias, self)
+        input, weight, bias = _autocast(_LOWER, input, self.weight, self.bias)
+        return LinearFunction.apply(input, weight, bias, self)
 
 
 class _QBatchNorm(QLayer):
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not self._compresses(input, self.weight, self.bias):
-            return super().forward(input)
-        self._check_input_dim(input)
+    def _momentum_factor(self) -> float:
+        """The running-statistics factor torch's batch norm uses this step (counts the step)."""
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # a cumulative moving average
                 factor = 1.0 / float(self.num_batches_tracked)
+        return factor
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self._compresses(input, self.weight, self.bias):
+            return super().forward(input)
+        self._check_input_dim(input)
+        factor = self._momentum_factor()
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep_running = not self.training or self.track_running_stats
         if use_batch_stats and input.numel() // input.shape[1] == 1:
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got input size {input.size()}"
             )
+        input, weight, bias = _autocast("batch_norm", input, self.weight, self.bias)
         return BatchNormFunction.apply(
             input,
-            self.weight,
-            self.bias,
+            weight,
+            bias,
             self.running_mean if keep_running else None,
             self.running_var if keep_running else None,
             use_batch_stats,
@@ -166,26 +229,74 @@ class QBatchNorm3d(_QBatchNorm, nn.BatchNorm3d):
     pass
 
 
+class QSyncBatchNorm(_QBatchNorm, nn.SyncBatchNorm):
+    """``nn.SyncBatchNorm`` with a compressed input; statistics synchronised across ranks.
+
+    Without synchronisation (one process, no process group, eval mode) it is
+    :class:`QBatchNorm2d`'s computation, as torch falls back to plain batch norm. When
+    synchronising, it gathers per-rank mean / sum of squared deviations / count (an exact
+    parallel combination) and all-reduces the two per-channel gradient sums in backward,
+    through ``torch.distributed`` collectives: unlike torch's it also runs on CPU (gloo).
+    """
+
+    def _sync_group(self) -> tuple[Any, int] | None:
+        import torch.distributed as dist
+
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return None
+        group = self.process_group or dist.group.WORLD
+        world = dist.get_world_size(group)
+        return (group, world) if world > 1 else None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        sync = self._sync_group()
+        if sync is None:
+            return super().forward(input)
+        self._check_input_dim(input)
+        factor = self._momentum_factor()
+        input, weight, bias = _autocast("batch_norm", input, self.weight, self.bias)
+        return SyncBatchNormFunction.apply(
+            input,
+            weight,
+            bias,
+            self.running_mean if self.track_running_stats else None,
+            self.running_var if self.track_running_stats else None,
+            factor,
+            self.eps,
+            sync,
+            self,
+        )
+
+
 class QLayerNorm(QLayer, nn.LayerNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight, self.bias):
             return super().forward(input)
+        input, weight, bias = _autocast("layer_norm", input, self.weight, self.bias)
         return LayerNormFunction.apply(
-            input, list(self.normalized_shape), self.weight, self.bias, self.eps, self
+            input, list(self.normalized_shape), weight, bias, self.eps, self
         )
+
+
+def _suggest_memory_format(x: torch.Tensor) -> torch.memory_format:
+    """The layout ATen's ``suggest_memory_format`` picks (channels-last strides or not)."""
+    layouts = {4: torch.channels_last, 5: torch.channels_last_3d}
+    layout = layouts.get(x.dim())
+    if layout is not None and not x.is_contiguous() and x.is_contiguous(memory_format=layout):
+        return layout
+    return torch.contiguous_format
 
 
 class QGroupNorm(QLayer, nn.GroupNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight, self.bias):
             return super().forward(input)
+        input, weight, bias = _autocast("group_norm", input, self.weight, self.bias)
         if input.device.type == "cpu":  # the layout torch's group_norm hands its kernel
-            input = input.contiguous(memory_format=input.suggest_memory_format())
+            input = input.contiguous(memory_format=_suggest_memory_format(input))
         else:
             input = input.contiguous()
-        return GroupNormFunction.apply(
-            input, self.num_groups, self.weight, self.bias, self.eps, self
-        )
+        return GroupNormFunction.apply(input, self.num_groups, weight, bias, self.eps, self)
 
 
 class _QMasked(QLayer):
@@ -267,6 +378,7 @@ class _QAvgPoolNd(QLayer):
         if not needs_saving(input):
             return super().forward(input)
         nd = self._nd
+        (input,) = _autocast(f"avg_pool{nd}d", input)
         tup = _ntuple(nd)
         kernel = tup(self.kernel_size)
         stride = tup(self.stride if self.stride is not None else self.kernel_size)
@@ -309,6 +421,7 @@ Q_LAYERS: dict[type[nn.Module], type[nn.Module]] = {
     nn.BatchNorm1d: QBatchNorm1d,
     nn.BatchNorm2d: QBatchNorm2d,
     nn.BatchNorm3d: QBatchNorm3d,
+    nn.SyncBatchNorm: QSyncBatchNorm,
     nn.LayerNorm: QLayerNorm,
     nn.GroupNorm: QGroupNorm,
     nn.ReLU: QReLU,

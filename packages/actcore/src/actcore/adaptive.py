@@ -1,0 +1,280 @@
+"""Adaptive bits (level L3): per-sample and per-layer bits under an average-bits budget.
+
+Model of the gradient noise. Stochastic rounding of a group of ``n_g`` elements with range
+``r_g`` at ``b`` bits adds independent zero-mean noise of variance at most
+``n_g r_g^2 / (4 (2^b - 1)^2)`` in total. An error ``e`` in an input element of a layer moves
+its weight gradient by ``e`` times the output gradients that element meets, so the expected
+squared gradient error caused by sample ``i`` of layer ``l`` is about::
+
+    V_li(b) = s_l * w_li / (4 (2^b - 1)^2)
+
+with ``w_li = sum_g n_g r_g^2`` (:func:`~actcore.compressors.sample_range_weights`, read
+from the batch itself) and ``s_l`` the layer's sensitivity: the mean squared output
+gradient per sample, times the number of weights an input element meets per output
+position over the positions (``kernel / positions``; ``1 / (channels * positions)`` for
+normalization layers), as an exponential average over earlier steps' backward passes.
+
+Allocation. Every ``interval`` steps, :meth:`AdaptiveBits.replan` minimises
+``sum V_li(b_li)`` subject to ``sum cost_li * b_li <= budget * sum cost_li`` (``cost``: the
+elements stored) over integer ``b`` in ``[min_bits, max_bits]``: the gains of one more bit
+shrink with ``b``, so taking increments greedily by gain per cost is the classic solution of
+this separable convex problem. Samples are not the same from step to step, so the plan is
+per *rank*: the sample with the largest ``w`` in a batch gets the bits planned for rank 0,
+and so on (for a fixed set of bit counts, giving the most bits to the largest ``w`` is
+optimal). Ranking happens on the device and the counts per bits are host data, so no step
+synchronises with the host; only ``replan`` (once per ``interval``) reads statistics back.
+Tensors stored as a ReLU's mask plus nonzeros (zero-value) get one bit width per layer.
+
+The statistics and the plan are in :meth:`AdaptiveBits.state_dict`, so a resumed run keeps
+its plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .compressors import Compressor, PerSampleQuantize, Quantize, ZeroValue, sample_range_weights
+from .config import config
+
+
+@dataclass
+class _LayerStats:
+    """Running statistics and plan of one layer (device tensors, host plan)."""
+
+    sens: torch.Tensor | None = None  # scalar: sensitivity s_l
+    profile: torch.Tensor | None = None  # [N]: range weights w, sorted, largest first
+    elems: torch.Tensor | None = None  # scalar: elements stored per sample
+    zero_value: bool = False
+    plan: list[int] = field(default_factory=list)  # bits by rank (non-increasing)
+    calls: int = 0  # tensors chosen for so far (one per step in a plain training loop)
+
+
+def _ema(old: torch.Tensor | None, new: torch.Tensor, momentum: float) -> torch.Tensor:
+    new = new.detach().float()
+    if old is None or old.shape != new.shape or old.device != new.device:
+        return new.clone()
+    return old.mul_(momentum).add_(new, alpha=1 - momentum)
+
+
+def _gain(weight: float, bits: int) -> float:
+    """Drop of ``weight / (2^b - 1)^2`` from ``bits`` to ``bits + 1``."""
+    return weight * ((2**bits - 1) ** -2 - (2 ** (bits + 1) - 1) ** -2)
+
+
+class AdaptiveBits:
+    """Per-sample / per-layer bit allocation for Q-layers (the ``act_scheme`` hook).
+
+    ``AdaptiveBits(model, budget=2.0)`` attaches itself to every Q-layer of ``model`` that
+    saves conv/linear or normalization inputs; ``convert`` does so at levels with
+    ``adaptive`` (L3, L3.1, L4, L5), keeping it as ``model.act_adaptive``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        budget: float = 2.0,
+        *,
+        interval: int = 20,
+        momentum: float = 0.9,
+        min_bits: int = 1,
+        max_bits: int = 8,
+    ) -> None:
+        if not 1 <= min_bits <= budget <= max_bits <= 8:
+            raise ValueError(
+                f"need 1 <= min_bits <= budget <= max_bits <= 8, got "
+                f"{min_bits}, {budget}, {max_bits}"
+            )
+        if interval < 1:
+            raise ValueError(f"interval must be a positive int, got {interval}")
+        self.budget, self.interval, self.momentum = float(budget), interval, momentum
+        self.min_bits, self.max_bits = min_bits, max_bits
+        self.steps = 0
+        self.layers: dict[str, _LayerStats] = {}
+        if model is not None:
+            self.attach(model)
+
+    # --- wiring ----------------------------------------------------------------------------
+
+    def attach(self, model: nn.Module) -> AdaptiveBits:
+        """Become the ``act_scheme`` of every compressing Q-layer of ``model``."""
+        from .layers.modules import QLayer
+
+        for name, module in model.named_modules():
+            if isinstance(module, QLayer) and getattr(module, "weight", None) is not None:
+                module.act_scheme = self
+                module.act_name = name
+                self.layers.setdefault(name, _LayerStats())
+        return self
+
+    @staticmethod
+    def detach(model: nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(getattr(module, "act_scheme", None), AdaptiveBits):
+                module.act_scheme = None
+
+    # --- the engine's hooks ----------------------------------------------------------------
+
+    def compressor(
+        self, layer: Any, role: str, x: torch.Tensor, bits: int, mask: torch.Tensor | None
+    ) -> Compressor | None:
+        """The compressor for ``x`` under the current plan (``bits``: before any plan)."""
+        name = getattr(layer, "act_name", None)
+        if name is None or x.dim() == 0 or x.shape[0] == 0:
+            return None
+        stats = self.layers.setdefault(name, _LayerStats())
+        stats.calls += 1
+        if stats.calls > self.steps:  # the first layer to run in a new step counts it
+            self.steps = stats.calls
+            if self.steps % self.interval == 0:
+                self.replan()
+        gs = config.group_size
+        n = x.shape[0]
+        with torch.no_grad():
+            weights = sample_range_weights(x, gs)
+            stats.profile = _ema(stats.profile, weights.sort(descending=True).values, self.momentum)
+            if mask is not None:
+                stats.zero_value = True
+                nonzero = x.count_nonzero().float() / n
+                stats.elems = _ema(stats.elems, nonzero, self.momentum)
+            else:
+                stats.zero_value = False
+                stats.elems = _ema(stats.elems, torch.tensor(float(x[0].numel())), self.momentum)
+        if mask is not None:
+            layer_bits = self._layer_bits(stats, bits)
+            return ZeroValue(mask, Quantize(layer_bits, gs, per_sample=False))
+        return PerSampleQuantize(self._counts(stats, n, bits), gs, config.stochastic)
+
+    def observe(
+        self, layer: Any, grad: torch.Tensor, kernel: int, channel_dim: int, norm: bool
+    ) -> None:
+        """Update the layer's sensitivity from its output gradient (device ops only)."""
+        name = getattr(layer, "act_name", None)
+        if name is None or grad.dim() < 2 or grad.numel() == 0:
+            return
+        stats = self.layers.setdefault(name, _LayerStats())
+        n = grad.shape[0]
+        per_sample = grad.numel() // n
+        positions = max(1, per_sample // grad.shape[channel_dim])
+        fan = 1.0 / per_sample if norm else kernel / positions
+        with torch.no_grad():
+            sens = grad.detach().float().square().sum() * (fan / n)
+            stats.sens = _ema(stats.sens, sens, self.momentum)
+
+    # --- the plan ---------------------------------------------------------------------------
+
+    def _counts(self, stats: _LayerStats, n: int, bits: int) -> tuple[tuple[int, int], ...]:
+        """``(bits, samples)`` for a batch of ``n``, most bits first."""
+        if not stats.plan:
+            return ((bits, n),)
+        size = len(stats.plan)
+        by_rank = [stats.plan[r * size // n] for r in range(n)]
+        return tuple(sorted(Counter(by_rank).items(), reverse=True))
+
+    def _layer_bits(self, stats: _LayerStats, bits: int) -> int:
+        return stats.plan[0] if stats.plan else bits
+
+    def _items(self) -> list[tuple[str, int, float, float]]:
+        """``(layer, rank, weight, cost)`` of every allocation unit (host values)."""
+        items = []
+        for name, st in self.layers.items():
+            if st.sens is None or st.profile is None or st.elems is None:
+                continue
+            sens, elems = float(st.sens), float(st.elems)
+            profile = st.profile.double().cpu().tolist()
+            if st.zero_value:  # one width for the whole tensor
+                items.append((name, -1, sens * sum(profile) / 4, elems * len(profile)))
+            else:
+                items += [(name, r, sens * w / 4, elems) for r, w in enumerate(profile)]
+        return items
+
+    def replan(self) -> None:
+        """Recompute the plan from the statistics so far (reads them back: one sync)."""
+        items = self._items()
+        if not items:
+            return
+        bits = [self.min_bits] * len(items)
+        total = sum(cost for *_, cost in items)
+        room = (self.budget - self.min_bits) * total
+        heap = [
+            (-_gain(w, self.min_bits) / max(c, 1e-12), i)
+            for i, (_, _, w, c) in enumerate(items)
+            if self.min_bits < self.max_bits
+        ]
+        heapq.heapify(heap)
+        while heap and room > 0:
+            _, i = heapq.heappop(heap)
+            cost = items[i][3]
+            if cost > room:
+                continue
+            room -= cost
+            bits[i] += 1
+            if bits[i] < self.max_bits:
+                heapq.heappush(heap, (-_gain(items[i][2], bits[i]) / max(cost, 1e-12), i))
+        plans: dict[str, list[tuple[int, int]]] = {}
+        for (name, rank, _, _), b in zip(items, bits, strict=True):
+            plans.setdefault(name, []).append((rank, b))
+        for name, ranked in plans.items():
+            # equal weights can leave ties out of order: bits sorted, largest first, by rank
+            self.layers[name].plan = sorted((b for _, b in ranked), reverse=True)
+
+    def predicted_variance(self, plan: dict[str, list[int]] | None = None) -> float:
+        """``sum V_li(b_li)`` for ``plan`` (layer -> bits by rank; default: the current)."""
+        total = 0.0
+        for name, rank, weight, _ in self._items():
+            bits_by_rank = (plan or {}).get(name) or self.layers[name].plan
+            if not bits_by_rank:
+                raise ValueError(f"no plan for layer {name!r}")
+            b = bits_by_rank[max(rank, 0)]
+            total += weight / (2**b - 1) ** 2
+        return total
+
+    def average_bits(self) -> float:
+        """Cost-weighted average bits of the current plan."""
+        num = den = 0.0
+        for name, rank, _, cost in self._items():
+            plan = self.layers[name].plan
+            if plan:
+                num += cost * plan[max(rank, 0)]
+                den += cost
+        return num / den if den else math.nan
+
+    # --- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        layers = {}
+        for name, st in self.layers.items():
+            layers[name] = {
+                "sens": st.sens,
+                "profile": st.profile,
+                "elems": st.elems,
+                "zero_value": st.zero_value,
+                "plan": torch.tensor(st.plan, dtype=torch.int8),
+            }
+        return {
+            "budget": self.budget,
+            "interval": self.interval,
+            "momentum": self.momentum,
+            "min_bits": self.min_bits,
+            "max_bits": self.max_bits,
+            "steps": self.steps,
+            "layers": layers,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.budget, self.interval = float(state["budget"]), int(state["interval"])
+        self.momentum = float(state["momentum"])
+        self.min_bits, self.max_bits = int(state["min_bits"]), int(state["max_bits"])
+        self.steps = int(state["steps"])
+        for name, entry in state["layers"].items():
+            st = self.layers.setdefault(name, _LayerStats())
+            st.sens, st.profile, st.elems = entry["sens"], entry["profile"], entry["elems"]
+            st.zero_value = bool(entry["zero_value"])
+            st.calls = self.steps
+            st.plan = [int(b) for b in entry["plan"].tolist()]
