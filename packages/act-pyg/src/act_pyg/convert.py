@@ -1,0 +1,182 @@
+"""``act_pyg.convert``: compress what a PyG model keeps for backward, in place."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch_geometric.nn import MessagePassing
+
+import actcore
+from actcore.config import level_spec
+
+from . import hooks
+from .convs import CONVERTED, QMessagePassing, unsupported_reason
+
+log = logging.getLogger("act_pyg")
+
+Exclude = str | type | Callable[[str, nn.Module], bool]
+
+
+@dataclass
+class ConversionReport(actcore.ConversionReport):
+    """What :func:`convert` did.
+
+    ``converted``: module name -> new class (convs and actcore's Q-layers); ``left``: module
+    name -> why it kept its class; ``hooks``: message-passing modules that run under the
+    saved-tensor hooks route instead (name -> class and reason).
+    """
+
+    hooks: dict[str, str] = field(default_factory=dict)
+    random_projection: float | None = None
+
+    def __str__(self) -> str:
+        rp = (
+            ""
+            if self.random_projection is None
+            else f", random projection {self.random_projection}"
+        )
+        lines = [f"act_pyg.convert at {self.level}{rp}: {len(self.converted)} converted"]
+        lines += [f"  converted {name or '<root>'}: {cls}" for name, cls in self.converted.items()]
+        lines += [f"  hooks route {name}: {why}" for name, why in self.hooks.items()]
+        lines += [f"  left {name or '<root>'}: {why}" for name, why in self.left.items()]
+        return "\n".join(lines)
+
+
+def _excluded(name: str, module: nn.Module, rules: tuple[Exclude, ...]) -> bool:
+    for rule in rules:
+        if isinstance(rule, str):
+            if fnmatch.fnmatchcase(name, rule):
+                return True
+        elif isinstance(rule, type):
+            if isinstance(module, rule):
+                return True
+        elif callable(rule) and rule(name, module):
+            return True
+    return False
+
+
+_SELECTING = ("max", "min", "amax", "amin")
+
+
+def _selecting_aggregation(module: MessagePassing) -> str | None:
+    """A max/min-type aggregation (whose backward compares saved values), if any."""
+    aggr = getattr(module, "aggr", None)
+    names = aggr if isinstance(aggr, (list, tuple)) else [aggr]
+    for agg in names:
+        text = str(agg).lower()
+        if any(text == s or text.startswith(s) for s in _SELECTING) or "maxaggregation" in text:
+            return str(agg)
+        if "minaggregation" in text:
+            return str(agg)
+    return None
+
+
+def _check_projection(value: float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"random_projection must be a float in (0, 1] or None, got {value!r}")
+    if not (0 < value <= 1) or math.isnan(value):
+        raise ValueError(
+            f"random_projection is the kept fraction of the features, in (0, 1]; got {value}"
+        )
+    return float(value)
+
+
+def convert(
+    gnn: nn.Module,
+    level: str = "L3",
+    *,
+    random_projection: float | None = None,
+    attention_bits: int | None = None,
+    exclude: Iterable[Exclude] = (),
+) -> nn.Module:
+    """Make ``gnn`` keep compressed activations for backward, in place; returns ``gnn``.
+
+    * GCNConv, SAGEConv and GATConv become :class:`QGCNConv`, :class:`QSAGEConv` and
+      :class:`QGATConv` (same object, parameters and ``state_dict`` keys, same output);
+    * other message-passing layers (and those whose options the converted classes do not
+      cover) run under the saved-tensor hooks route;
+    * Linear, ReLU, Dropout, BatchNorm1d, LayerNorm... become actcore's Q-layers
+      (:func:`actcore.convert`).
+
+    Args:
+        level: an actcore level (``"L0"`` ... ``"L5"``); ValueError lists the valid ones.
+        random_projection: kept fraction (0, 1] of the features of each conv's linear input,
+            randomly projected (rademacher) before it is quantized (EXACT); None: off.
+        attention_bits: bits of GAT's attention coefficients (None: 8 at levels that
+            compress, none at L0).
+        exclude: module names (fnmatch patterns), module types or ``(name, module) -> bool``
+            predicates to leave alone.
+
+    The :class:`ConversionReport` is ``gnn.act_report``. Converting again sets the new
+    options.
+    """
+    if not isinstance(gnn, nn.Module):
+        raise TypeError(f"convert expects an nn.Module, got {type(gnn).__name__}")
+    spec = level_spec(level)
+    projection = _check_projection(random_projection)
+    if attention_bits is not None:
+        actcore.ops.api.check_bits(attention_bits, "attention_bits")
+    rules = tuple(exclude)
+    report = ConversionReport(spec.name, random_projection=projection)
+    for name, module in gnn.named_modules():
+        if not isinstance(module, MessagePassing):
+            continue
+        if _excluded(name, module, rules):
+            report.left[name] = "excluded"
+            continue
+        selection = _selecting_aggregation(module)
+        if selection is not None:
+            report.left[name] = (
+                f"aggr={selection!r} picks saved values by comparison (its backward needs them "
+                "exact), kept uncompressed"
+            )
+            continue
+        if isinstance(module, QMessagePassing):
+            target = type(module)
+        else:
+            target = CONVERTED.get(type(module))
+            if target is None:
+                known = next((c for c in CONVERTED if isinstance(module, c)), None)
+                why = (
+                    f"a subclass of {known.__name__} with its own behaviour"
+                    if known is not None
+                    else f"{type(module).__name__} has no converted version"
+                )
+                hooks.install(module, spec.name)
+                report.hooks[name] = f"{type(module).__name__} ({why})"
+                continue
+            reason = unsupported_reason(module)
+            if reason is not None:
+                hooks.install(module, spec.name)
+                report.hooks[name] = f"{type(module).__name__} ({reason})"
+                continue
+            module.__class__ = target
+        module.act_level = spec.name
+        module.act_projection = projection
+        module.act_attention_bits = attention_bits
+        report.converted[name] = target.__name__
+    # Layers inside a hooks-route layer stay as they are: the hooks compress their saved
+    # tensors, and would otherwise quantize a Q-layer's packed data a second time.
+    hooked = tuple(f"{name}." for name in report.hooks)
+
+    def inside_hooks_route(name: str, module: nn.Module) -> bool:
+        return name.startswith(hooked)
+
+    actcore.convert(gnn, spec.name, exclude=(*rules, inside_hooks_route))
+    core = gnn.act_report
+    for name, cls in core.converted.items():
+        report.converted.setdefault(name, cls)
+    for name, why in core.left.items():
+        if inside_hooks_route(name, gnn):
+            why = "inside a hooks-route layer (its saved tensors are compressed by the hooks)"
+        report.left.setdefault(name, why)
+    gnn.act_report = report
+    log.info("%s", report)
+    return gnn

@@ -1,0 +1,246 @@
+"""Compressed GCNConv, SAGEConv and GATConv: subclasses with the stock parameters and output.
+
+:func:`act_pyg.convert` swaps a conv's class for its subclass here (the object, parameters,
+``state_dict`` keys and hooks stay). Each computes the stock forward output and keeps for
+backward only compressed node features, the narrow shared edge index and, for GAT, the
+quantized attention coefficients and 1-bit masks (see :mod:`act_pyg.functions`).
+
+Inputs these paths do not cover (a ``SparseTensor`` or sparse adjacency, bipartite tuples,
+``size``, edge features, ``return_attention_weights``, a learnable ``edge_weight``, a lazy
+linear not yet initialised, ``explain`` or ``decomposed_layers``) run the stock forward under
+the saved-tensor hooks route instead; without a pending backward (``no_grad``, inference)
+they run the stock forward as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch_geometric.nn import GATConv, GCNConv, MessagePassing, SAGEConv
+from torch_geometric.nn.conv.gcn_conv import gcn_norm
+from torch_geometric.utils import add_self_loops, remove_self_loops
+
+from actcore.engine import needs_saving
+
+from .functions import GATAttention, LinearAggregation, linear
+from .graph import Graph, shared_graph
+from .hooks import saved_tensor_context
+
+LINEAR_AGGRS = ("add", "sum", "mean")
+
+
+def _lazy(lin: Any) -> bool:
+    return lin is not None and isinstance(lin.weight, torch.nn.parameter.UninitializedParameter)
+
+
+def _plain_index(edge_index: Any) -> bool:
+    return (
+        isinstance(edge_index, Tensor)
+        and edge_index.layout == torch.strided
+        and edge_index.dim() == 2
+        and edge_index.shape[0] == 2
+        and not edge_index.is_floating_point()
+    )
+
+
+class QMessagePassing:
+    """Mixin of the converted convs: level, random projection and attention bits."""
+
+    act_level: str | None = None
+    act_projection: float | None = None  # kept fraction of the linear input's features
+    act_attention_bits: int | None = None  # GAT's attention coefficients (None: level bits)
+
+    def _runtime_reason(self) -> str | None:
+        if getattr(self, "_explain", None):
+            return "explain is on"
+        if getattr(self, "decomposed_layers", 1) > 1:
+            return "decomposed_layers > 1"
+        return None
+
+    def _stock(self, *args: Any, **kwargs: Any) -> Any:
+        """The stock forward under the saved-tensor hooks route."""
+        with saved_tensor_context(self.act_level):
+            return super().forward(*args, **kwargs)  # type: ignore[misc]
+
+
+def _pending_backward(module: torch.nn.Module, x: Any) -> bool:
+    """Whether autograd will want a backward through this call (else: the stock forward)."""
+    xs = x if isinstance(x, (tuple, list)) else (x,)
+    tensors = [t for t in xs if isinstance(t, Tensor)]
+    return needs_saving(*tensors, *(p for p in module.parameters() if p.requires_grad))
+
+
+class QGCNConv(QMessagePassing, GCNConv):
+    """GCNConv that keeps ``x`` quantized and the normalised edge index narrow and shared."""
+
+    def forward(self, x: Tensor, edge_index: Any, edge_weight: Tensor | None = None) -> Tensor:
+        if not _pending_backward(self, x):
+            return super().forward(x, edge_index, edge_weight)
+        if (
+            not isinstance(x, Tensor)
+            or x.dim() != 2
+            or not _plain_index(edge_index)
+            or (edge_weight is not None and edge_weight.requires_grad)
+            or _lazy(self.lin)
+            or self.aggr not in LINEAR_AGGRS
+            or self._runtime_reason()
+        ):
+            return self._stock(x, edge_index, edge_weight)
+        graph = self._graph(x, edge_index, edge_weight)
+        h = linear(self, self.lin, x)
+        out = LinearAggregation.apply(
+            h,
+            self,
+            graph,
+            self.aggr == "mean",
+            self.flow,
+            lambda t: self.propagate(graph.edge_index, x=t, edge_weight=graph.weight),
+        )
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+    def _graph(self, x: Tensor, edge_index: Tensor, edge_weight: Tensor | None) -> Graph:
+        n = x.size(self.node_dim)
+        if not self.normalize:
+            return shared_graph(
+                ("plain",), (edge_index, edge_weight), n, lambda: (edge_index, edge_weight)
+            )
+        cache = self._cached_edge_index
+        if cache is not None:
+            return shared_graph(("plain",), (cache[0], cache[1]), n, lambda: (cache[0], cache[1]))
+        tag = ("gcn", self.improved, self.add_self_loops, self.flow, x.dtype)
+        graph = shared_graph(
+            tag,
+            (edge_index, edge_weight),
+            n,
+            lambda: gcn_norm(
+                edge_index, edge_weight, n, self.improved, self.add_self_loops, self.flow, x.dtype
+            ),
+        )
+        if self.cached:
+            self._cached_edge_index = (graph.edge_index, graph.weight)
+        return graph
+
+
+class QSAGEConv(QMessagePassing, SAGEConv):
+    """SAGEConv (mean or sum aggregation): ``x`` and the aggregate kept quantized."""
+
+    def forward(self, x: Any, edge_index: Any, size: Any = None) -> Tensor:
+        if not _pending_backward(self, x):
+            return super().forward(x, edge_index, size)
+        if (
+            not isinstance(x, Tensor)
+            or x.dim() != 2
+            or size is not None
+            or not _plain_index(edge_index)
+            or self.project
+            or self.normalize
+            or self.aggr not in LINEAR_AGGRS
+            or _lazy(self.lin_l)
+            or (self.root_weight and _lazy(self.lin_r))
+            or self._runtime_reason()
+        ):
+            return self._stock(x, edge_index, size)
+        n = x.size(0)
+        graph = shared_graph(("plain",), (edge_index,), n, lambda: (edge_index, None))
+        agg = LinearAggregation.apply(
+            x,
+            self,
+            graph,
+            self.aggr == "mean",
+            self.flow,
+            lambda t: self.propagate(graph.edge_index, x=(t, t), size=None),
+        )
+        out = linear(self, self.lin_l, agg)
+        if self.root_weight:
+            out = out + linear(self, self.lin_r, x)
+        return out
+
+
+def _gat_graph(conv: GATConv, edge_index: Tensor, n: int) -> Graph:
+    if not conv.add_self_loops:
+        return shared_graph(("plain",), (edge_index,), n, lambda: (edge_index, None))
+
+    def build() -> tuple[Tensor, None]:
+        ei, _ = remove_self_loops(edge_index, None)
+        ei, _ = add_self_loops(ei, None, fill_value=conv.fill_value, num_nodes=n)
+        return ei, None
+
+    return shared_graph(("gat-loops",), (edge_index,), n, build)
+
+
+class QGATConv(QMessagePassing, GATConv):
+    """GATConv: no ``E x H x C`` messages kept; attention coefficients quantized."""
+
+    def forward(
+        self,
+        x: Any,
+        edge_index: Any,
+        edge_attr: Tensor | None = None,
+        size: Any = None,
+        return_attention_weights: bool | None = None,
+    ) -> Any:
+        args = (x, edge_index, edge_attr, size, return_attention_weights)
+        if not _pending_backward(self, x):
+            return super().forward(*args)
+        if (
+            not isinstance(x, Tensor)
+            or x.dim() != 2
+            or not _plain_index(edge_index)
+            or edge_attr is not None
+            or size is not None
+            or return_attention_weights is not None
+            or self.lin is None
+            or _lazy(self.lin)
+            or getattr(self, "lin_edge", None) is not None
+            or self._runtime_reason()
+        ):
+            return self._stock(*args)
+        heads, channels = self.heads, self.out_channels
+        res_lin = getattr(self, "res", None)
+        res = linear(self, res_lin, x) if res_lin is not None else None
+        h = linear(self, self.lin, x).view(-1, heads, channels)
+        graph = _gat_graph(self, edge_index, h.size(0))
+        out = GATAttention.apply(
+            h,
+            self.att_src,
+            self.att_dst,
+            self,
+            graph,
+            lambda t, a: self.propagate(graph.edge_index, x=(t, t), alpha=a, size=None),
+        )
+        out = out.view(-1, heads * channels) if self.concat else out.mean(dim=1)
+        if res is not None:
+            out = out + res
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+
+CONVERTED: dict[type[MessagePassing], type[MessagePassing]] = {
+    GCNConv: QGCNConv,
+    SAGEConv: QSAGEConv,
+    GATConv: QGATConv,
+}
+
+
+def unsupported_reason(module: MessagePassing) -> str | None:
+    """Why ``module``'s configuration cannot take its converted class (None if it can)."""
+    if isinstance(module, GCNConv) and module.aggr not in LINEAR_AGGRS:
+        return f"aggr={module.aggr!r} is not a linear aggregation"
+    if isinstance(module, SAGEConv):
+        if module.aggr not in LINEAR_AGGRS:
+            return f"aggr={module.aggr!r} is not a linear aggregation"
+        if module.project:
+            return "project=True (a ReLU-projected input)"
+        if module.normalize:
+            return "normalize=True (L2-normalised output)"
+    if isinstance(module, GATConv):
+        if module.lin is None:
+            return "bipartite in_channels (separate source/target transforms)"
+        if getattr(module, "lin_edge", None) is not None:
+            return "edge_dim (edge features in the attention)"
+    return None

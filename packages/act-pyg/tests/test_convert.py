@@ -1,0 +1,436 @@
+"""act_pyg.convert: same outputs, exact gradients at L0, >= 8x less held memory at L3."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch_geometric.data import Data
+from torch_geometric.nn import GATConv, GCNConv, GINConv, SAGEConv
+
+import act_pyg
+from act_pyg import bench
+from act_pyg.functions import GATAttention, LinearAggregation, LinearFunction
+from act_pyg.graph import shared_graph
+from actcore import memory
+
+KINDS = ("gcn", "sage", "gat")
+CONV_CLASS = {"gcn": act_pyg.QGCNConv, "sage": act_pyg.QSAGEConv, "gat": act_pyg.QGATConv}
+
+
+@pytest.fixture(scope="module")
+def small() -> Data:
+    return bench.random_graph(300, 2000, 16, seed=3)
+
+
+def _pair(make, level="L0", dtype=torch.float32, **kwargs):
+    torch.manual_seed(1)
+    stock = make().to(dtype)
+    conv = act_pyg.convert(copy.deepcopy(stock), level, **kwargs)
+    return stock, conv
+
+
+def _run(model, x, edge_index, seed=5):
+    torch.manual_seed(seed)
+    return model(x, edge_index)
+
+
+# ---- forward -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", ["L0", "L3"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_equal_after_convert(kind, level, small):
+    """Training-mode forward (dropout included) and eval forward are bit-identical."""
+    stock, conv = _pair(lambda: bench.GNN(kind, 16, 32, 5, heads=4, dropout=0.3), level)
+    assert type(conv.conv1) is CONV_CLASS[kind] and type(conv.conv2) is CONV_CLASS[kind]
+    if kind == "gat":
+        assert conv.conv1.heads == 4
+    x = small.x.clone().requires_grad_()
+    assert torch.equal(_run(stock, x, small.edge_index), _run(conv, x, small.edge_index))
+    stock.eval()
+    conv.eval()
+    assert torch.equal(_run(stock, x, small.edge_index), _run(conv, x, small.edge_index))
+    with torch.no_grad():
+        assert torch.equal(stock(small.x, small.edge_index), conv(small.x, small.edge_index))
+
+
+def test_convert_keeps_parameters_and_state_dict():
+    model = bench.GNN("gat", 16, 32, 5)
+    params = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    act_pyg.convert(model)
+    assert list(model.state_dict()) == keys
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert isinstance(model.conv1, GATConv)  # a subclass: isinstance still holds
+
+
+# ---- gradients -----------------------------------------------------------------------------
+
+VARIANTS = {
+    "gcn": lambda: bench.GNN("gcn", 16, 32, 5, dropout=0.3),
+    "sage": lambda: bench.GNN("sage", 16, 32, 5, dropout=0.3),
+    "gat": lambda: bench.GNN("gat", 16, 32, 5, heads=4, dropout=0.3),
+    "gcn-cached-improved": lambda: GCNConv(16, 8, cached=True, improved=True),
+    "gcn-no-normalize": lambda: GCNConv(16, 8, normalize=False),
+    "gcn-target-to-source": lambda: GCNConv(16, 8, flow="target_to_source"),
+    "gcn-mean": lambda: GCNConv(16, 8, aggr="mean"),
+    "sage-sum-no-root": lambda: SAGEConv(16, 8, aggr="sum", root_weight=False),
+    "gat-mean-residual": lambda: GATConv(16, 8, heads=3, concat=False, residual=True, dropout=0.2),
+    "gat-no-loops-t2s": lambda: GATConv(
+        16, 8, heads=2, add_self_loops=False, flow="target_to_source"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_gradients_at_L0_equal_stock(name, small):
+    """At L0 (nothing quantized) every gradient matches the stock conv's in float64."""
+    stock, conv = _pair(VARIANTS[name], "L0", torch.float64)
+    assert conv.act_report.converted.get("conv1", conv.act_report.converted.get(""))
+    x1 = small.x.double().requires_grad_()
+    x2 = small.x.double().requires_grad_()
+    out1, out2 = _run(stock, x1, small.edge_index), _run(conv, x2, small.edge_index)
+    assert torch.equal(out1, out2)
+    grad = torch.randn_like(out1)
+    out1.backward(grad)
+    out2.backward(grad)
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-12, atol=1e-12)
+    for (n, p1), (_, p2) in zip(stock.named_parameters(), conv.named_parameters(), strict=True):
+        torch.testing.assert_close(p2.grad, p1.grad, rtol=1e-12, atol=1e-12, msg=n)
+
+
+def _graph_for(conv, x, edge_index):
+    if isinstance(conv, GATConv):
+        from act_pyg.convs import _gat_graph
+
+        return _gat_graph(conv, edge_index, x.shape[0])
+    return conv._graph(x, edge_index, None)
+
+
+def test_gradcheck_linear_aggregation(small):
+    x = small.x[:40, :3].double().requires_grad_()
+    ei = small.edge_index[:, (small.edge_index < 40).all(0)]
+    for make in (lambda: GCNConv(3, 4), lambda: GCNConv(3, 4, aggr="mean")):
+        conv = act_pyg.convert(make().double(), "L0")
+        graph = _graph_for(conv, x, ei)
+        assert graph.narrow.dtype == torch.int32 and graph.weight is not None
+
+        def f(h, conv=conv, graph=graph):
+            return LinearAggregation.apply(
+                h,
+                conv,
+                graph,
+                conv.aggr == "mean",
+                conv.flow,
+                lambda t: conv.propagate(graph.edge_index, x=t, edge_weight=graph.weight),
+            )
+
+        assert torch.autograd.gradcheck(f, (x,), fast_mode=True)
+
+
+def test_gradcheck_gat_attention(small):
+    torch.manual_seed(0)
+    n = 40
+    ei = small.edge_index[:, (small.edge_index < n).all(0)]
+    conv = act_pyg.convert(GATConv(16, 3, heads=2).double(), "L0")
+    h = torch.randn(n, 2, 3, dtype=torch.float64, requires_grad=True)
+    att_src = torch.randn(1, 2, 3, dtype=torch.float64, requires_grad=True)
+    att_dst = torch.randn(1, 2, 3, dtype=torch.float64, requires_grad=True)
+    graph = _graph_for(conv, h, ei)
+
+    def f(h, a, b):
+        return GATAttention.apply(
+            h,
+            a,
+            b,
+            conv,
+            graph,
+            lambda t, alpha: conv.propagate(graph.edge_index, x=(t, t), alpha=alpha, size=None),
+        )
+
+    assert torch.autograd.gradcheck(f, (h, att_src, att_dst), fast_mode=True)
+
+
+def test_gradcheck_linear_function():
+    layer = act_pyg.convert(GCNConv(6, 4).double(), "L0")
+    x = torch.randn(20, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    f = lambda x, w, b: LinearFunction.apply(x, w, b, layer, None)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x, w, b), fast_mode=True)
+
+
+def test_random_projection_weight_gradient_is_unbiased():
+    """EXACT's projection: E[grad W] is the exact one; the input gradient stays exact."""
+    layer = act_pyg.convert(GCNConv(64, 8).double(), "L0")
+    torch.manual_seed(0)
+    x = torch.randn(50, 64, dtype=torch.float64)
+    w = torch.randn(8, 64, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(50, 8, dtype=torch.float64)
+    exact = g.t() @ x
+    total = torch.zeros_like(exact)
+    trials, single = 100, []
+    for _ in range(trials):
+        xi = x.clone().requires_grad_()
+        out = LinearFunction.apply(xi, w, None, layer, 0.25)
+        assert torch.equal(out, torch.nn.functional.linear(x, w))
+        (gw, gx) = torch.autograd.grad(out, (w, xi), g)
+        torch.testing.assert_close(gx, g @ w.detach())
+        single.append(((gw - exact).norm() / exact.norm()).item())
+        total += gw
+    mean_err = ((total / trials - exact).norm() / exact.norm()).item()
+    typical = sum(single) / trials
+    assert typical > 0.3  # a single projected gradient is noisy...
+    assert mean_err < 3 * typical / math.sqrt(trials)  # ...and the noise averages out: no bias
+
+
+# ---- memory --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def big() -> Data:
+    return bench.random_graph(10_000, 100_000, 256, seed=0)
+
+
+def _held(model, data):
+    model.train()
+    with memory.track(model) as report:
+        out = model(data.x, data.edge_index)
+    del out
+    return report
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_retained_memory_8x_smaller_at_L3(kind, big):
+    """10k nodes, 100k edges, 256 features, hidden 256 (GAT: 4 heads x 64)."""
+    torch.manual_seed(0)
+    stock = bench.GNN(kind, 256, 256, 8, heads=4)
+    fp = _held(stock, big).retained_bytes
+    l3 = _held(act_pyg.convert(copy.deepcopy(stock), "L3"), big).retained_bytes
+    rp = _held(
+        act_pyg.convert(copy.deepcopy(stock), "L3", random_projection=0.125), big
+    ).retained_bytes
+    print(
+        f"\n{kind}: fp32 {fp / 2**20:.2f} MiB, L3 {l3 / 2**20:.2f} MiB ({fp / l3:.1f}x), "
+        f"L3 + RP 1/8 {rp / 2**20:.2f} MiB ({fp / rp:.1f}x)"
+    )
+    assert fp >= 8 * l3
+    assert fp >= 8 * rp
+    assert rp < l3
+
+
+def test_edge_index_stored_once_and_narrow(small):
+    """Both GCN layers keep the same int32 edge index: the second layer adds no index bytes."""
+    model = act_pyg.convert(bench.GNN("gcn", 16, 32, 5), "L0")
+    report = _held(model, small)
+    edges = small.edge_index.shape[1] + small.num_nodes  # self loops added
+    narrow_bytes = 2 * edges * 4
+    assert report.by_module["conv1"] >= narrow_bytes
+    hidden_bytes = small.num_nodes * 32 * 4  # conv2's only float input, at L0
+    assert report.by_module["conv2"] < hidden_bytes + narrow_bytes // 2
+
+
+def test_graph_cache_goes_stale_when_edge_index_changes(small):
+    ei = small.edge_index.clone()
+    calls = []
+
+    def build():
+        calls.append(1)
+        return ei, None
+
+    g1 = shared_graph(("t",), (ei,), 300, build)
+    g2 = shared_graph(("t",), (ei,), 300, build)
+    assert g2.narrow is g1.narrow and len(calls) == 1
+    ei[0, 0] = (ei[0, 0] + 1) % 300  # in place: a new version
+    g3 = shared_graph(("t",), (ei,), 300, build)
+    assert g3.narrow is not g1.narrow and len(calls) == 2
+    assert torch.equal(g3.narrow.long(), ei)
+
+
+def test_in_place_edge_index_change_between_forwards(small):
+    stock, conv = _pair(lambda: bench.GNN("gcn", 16, 32, 5, dropout=0.0), "L0", torch.float64)
+    x = small.x.double()
+    ei = small.edge_index.clone()
+    out_keep = conv(x, ei)  # its graph stays cached while this output lives
+    ei[1] = ei[1].flip(0)
+    assert torch.equal(conv(x, ei), stock(x, ei))
+    out_keep.sum().backward()  # the earlier graph's gradient is unaffected
+    ref = stock(x, small.edge_index)
+    ref.sum().backward()
+    for p1, p2 in zip(stock.parameters(), conv.parameters(), strict=True):
+        torch.testing.assert_close(p2.grad, p1.grad)
+
+
+# ---- accuracy ------------------------------------------------------------------------------
+
+
+def test_training_accuracy_within_one_point_of_fp():
+    """Final test accuracy at L3 within 1 point of fp32, mean over 3 seeds, each model."""
+    data = bench.planted_partition(**bench.SMALL_GRAPH)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops: threads only contend on a shared machine
+    try:
+        for kind in KINDS:
+            r = bench.run(kind, data, level="L3", seeds=(0, 1, 2), **bench.SMALL_RUN)
+            print(f"\n{kind}: fp {r.fp_accuracy:.4f}, L3 {r.act_accuracy:.4f}")
+            assert r.fp_accuracy > 0.5  # the task is learnt, not trivial noise
+            assert abs(r.act_accuracy - r.fp_accuracy) <= 0.01, kind
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- hooks route, fallbacks, report, errors ------------------------------------------------
+
+
+class GIN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64))
+        self.gin = GINConv(mlp)
+        self.sage_norm = SAGEConv(64, 32, normalize=True)
+        self.sage_max = SAGEConv(32, 4, aggr="max")
+
+    def forward(self, x, edge_index):
+        return self.sage_max(self.sage_norm(self.gin(x, edge_index), edge_index), edge_index)
+
+
+@pytest.mark.parametrize("core", [True, False], ids=["actcore-hooks", "local-hooks"])
+def test_other_message_passing_layers_get_the_hooks_route(core, monkeypatch):
+    if not core:
+        monkeypatch.setattr(act_pyg.hooks, "core_hooks_available", lambda: False)
+    elif not act_pyg.hooks.core_hooks_available():
+        pytest.skip("this actcore has no compress_saved_tensors")
+    data = bench.random_graph(2000, 20000, 16, seed=1)
+    torch.manual_seed(0)
+    stock = GIN()
+    conv = act_pyg.convert(copy.deepcopy(stock), "L3")
+    report = conv.act_report
+    assert set(report.hooks) == {"gin", "sage_norm"}
+    assert "normalize=True" in report.hooks["sage_norm"]
+    assert "max" in report.left["sage_max"]  # max aggregation: kept exact
+    assert "hooks-route" in report.left["gin.nn.0"] and type(conv.gin.nn[0]) is nn.Linear
+    x = data.x.requires_grad_()
+    fp = _held(stock, data)
+    with memory.track(conv) as held:
+        out = conv(x, data.edge_index)
+    assert torch.equal(out, stock(x, data.edge_index))  # outputs never change
+
+    def part(report, prefix):
+        return sum(b for k, b in report.by_module.items() if k.startswith(prefix))
+
+    assert part(held, "gin") * 2 < part(fp, "gin")  # its int64 edge index (1/3 here) stays
+    assert part(held, "sage_norm") * 2 < part(fp, "sage_norm")
+    assert part(held, "sage_max") == part(fp, "sage_max")  # left as it is
+    out.square().sum().backward()
+    for name, p in conv.named_parameters():
+        assert p.grad is not None and p.grad.isfinite().all(), name
+
+
+def test_hooks_route_at_L0_is_exact():
+    data = bench.random_graph(200, 1000, 16, seed=2)
+    torch.manual_seed(0)
+    stock = GIN()
+    conv = act_pyg.convert(copy.deepcopy(stock), "L0")
+    stock(data.x, data.edge_index).sum().backward()
+    conv(data.x, data.edge_index).sum().backward()
+    for p1, p2 in zip(stock.parameters(), conv.parameters(), strict=True):
+        torch.testing.assert_close(p2.grad, p1.grad)
+
+
+def test_unsupported_inputs_fall_back_to_the_stock_forward(small):
+    torch.manual_seed(0)
+    sage = SAGEConv(16, 8)
+    qsage = act_pyg.convert(copy.deepcopy(sage), "L3")
+    x = small.x.requires_grad_()
+    pair = (x, x[:100])
+    ei = small.edge_index[:, small.edge_index[1] < 100]
+    assert torch.equal(qsage(pair, ei), sage(pair, ei))  # bipartite input
+    gat = GATConv(16, 8, heads=2)
+    qgat = act_pyg.convert(copy.deepcopy(gat), "L3")
+    out, (ei_a, alpha) = qgat(x, small.edge_index, return_attention_weights=True)
+    ref, (ei_b, ref_alpha) = gat(x, small.edge_index, return_attention_weights=True)
+    assert torch.equal(out, ref) and torch.equal(alpha, ref_alpha) and torch.equal(ei_a, ei_b)
+    out.sum().backward()
+    w = torch.rand(small.edge_index.shape[1], requires_grad=True)  # a learnable edge weight
+    gcn = GCNConv(16, 8)
+    qgcn = act_pyg.convert(copy.deepcopy(gcn), "L0")
+    qgcn(x, small.edge_index, w).sum().backward()
+    w_grad = w.grad.clone()
+    w.grad = None
+    gcn(x, small.edge_index, w).sum().backward()
+    torch.testing.assert_close(w_grad, w.grad)
+
+
+def test_report_names_what_was_converted_and_left():
+    model = nn.Module()
+    model.a = GCNConv(8, 8)
+    model.b = SAGEConv(8, 8, normalize=True)
+    model.c = GATConv(8, 8, edge_dim=3)
+    model.d = GCNConv(8, 8)
+    model.lin = nn.Linear(8, 8)
+    model.bn = nn.BatchNorm1d(8)
+    act_pyg.convert(model, "L2", exclude=("d",), random_projection=0.5)
+    rep = model.act_report
+    assert rep.level == "L2" and rep.random_projection == 0.5
+    assert rep.converted["a"] == "QGCNConv"
+    assert rep.converted["lin"] == "QLinear" and rep.converted["bn"] == "QBatchNorm1d"
+    assert "normalize=True" in rep.hooks["b"] and "edge_dim" in rep.hooks["c"]
+    assert rep.left["d"] == "excluded" and type(model.d) is GCNConv
+    assert model.a.act_projection == 0.5
+    text = str(rep)
+    assert "QGCNConv" in text and "hooks route b" in text and "left d: excluded" in text
+    act_pyg.convert(model, "L1")  # again: new options
+    assert model.a.act_level == "L1" and model.a.act_projection is None
+
+
+def test_bad_level_and_options_raise_clear_errors():
+    model = bench.GNN("gcn", 8, 8, 2)
+    with pytest.raises(ValueError, match=r"'L9'.*L0, L1, L2, L3"):
+        act_pyg.convert(model, "L9")
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="random_projection"):
+            act_pyg.convert(model, random_projection=bad)
+    with pytest.raises(ValueError, match="attention_bits"):
+        act_pyg.convert(model, attention_bits=9)
+    assert type(model.conv1) is GCNConv  # nothing converted by a failed call
+
+
+# ---- benchmark CLI ---------------------------------------------------------------------------
+
+
+def test_bench_cli_smoke(capsys, tmp_path):
+    path = tmp_path / "result.json"
+    args = ["--model", "gat", "--epochs", "2", "--seeds", "1", "--nodes", "300", "--get-mem"]
+    assert bench.main([*args, "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "planted-partition" in out and "fp32" in out and "act L3" in out
+    assert "smaller" in out and path.exists()
+    data = bench.planted_partition(num_nodes=200, num_features=8)
+    del data.train_mask, data.test_mask
+    saved = tmp_path / "graph.pt"
+    torch.save(data, saved)
+    cmd = ["--model", "sage", "--epochs", "1", "--seeds", "1", "--data", str(saved)]
+    assert bench.main([*cmd, "--random-projection", "0.5"]) == 0
+    assert f"user data from {saved}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--level", "L9"])
+    assert "valid levels" in capsys.readouterr().err
+
+
+def test_attention_coefficients_bits():
+    """GAT's E x H coefficients: 8 bits by default when the level compresses, else exact."""
+    from act_pyg.functions import attention_compressor
+    from actcore.compressors import IDENTITY, Quantize
+
+    alpha = torch.rand(5000, 4)
+    conv = act_pyg.convert(GATConv(8, 8, heads=4), "L3")
+    comp = attention_compressor(conv, alpha)
+    assert isinstance(comp, Quantize) and comp.bits == 8 and not comp.per_sample
+    act_pyg.convert(conv, "L3", attention_bits=2)
+    assert attention_compressor(conv, alpha).bits == 2
+    act_pyg.convert(conv, "L0")
+    assert attention_compressor(conv, alpha) is IDENTITY
