@@ -27,12 +27,27 @@ from typing import Any
 
 from torch import nn
 
+from .fewbit.convert import swap_activation
+from .fewbit.tables import check_bits
 from .hooks import SavedTensorCompressor
 from .policies import HookLevel, Policy, hook_level, make_policy
 
-__all__ = ["Controller"]
+__all__ = ["Controller", "swap_activations"]
 
 _ENGINE_OPTIONS = ("min_numel", "group_size")
+
+
+def swap_activations(model: nn.Module, bits: int | None) -> dict[str, str]:
+    """Swap ``model``'s plain torch activations for few-bit ones at ``bits`` (see
+    :func:`actcore.fewbit.convert.swap_activation`); returns ``{name: new class name}``."""
+    if bits is not None:
+        check_bits(bits)
+    swapped = {}
+    for name, module in model.named_modules():
+        new = swap_activation(module, bits)
+        if new is not None:
+            swapped[name] = new
+    return swapped
 
 
 class Controller:
@@ -44,6 +59,11 @@ class Controller:
         level: one of :data:`actcore.policies.HOOK_LEVELS` (``"L0"``..``"L3"``).
         policy: ``None`` (the level's), ``"fixed"``, ``"auto"``, ``"acgc"`` or a
             :class:`~actcore.policies.Policy`.
+        fewbit_bits: 1..4, or None. When given, the model's smooth activations (GELU, SiLU,
+            Tanh, ...) are swapped, in place and now, for :mod:`actcore.fewbit` modules that
+            save a packed ``fewbit_bits``-bit derivative index (an integer tensor, which the
+            hooks keep as it is) instead of their input; Threshold/Hardsigmoid/shrinks get
+            an exact 1-bit mask. Forward outputs do not change. ``fewbit_swapped`` lists them.
         **overrides: ``min_numel``, ``group_size``, and the policy's options (``bits``,
             ``avg_bits``, ``adapt_interval``, ``error_bound``, ``max_passes``, ``swap``, ...).
     """
@@ -54,11 +74,13 @@ class Controller:
         level: str | HookLevel = "L2",
         *,
         policy: str | Policy | None = None,
+        fewbit_bits: int | None = None,
         **overrides: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Controller needs an nn.Module, got {type(model).__name__}")
         self.level = hook_level(level)
+        self.fewbit_swapped = {} if fewbit_bits is None else swap_activations(model, fewbit_bits)
         engine_opts = {k: overrides.pop(k) for k in _ENGINE_OPTIONS if k in overrides}
         self.policy = make_policy(self.level, policy, **overrides)
         self.model = model

@@ -12,11 +12,15 @@ import logging
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
-from .config import config, level_spec
+from .compressors import IDENTITY, Compressor, Quantize, ZeroValue
+from .config import LevelSpec, config, level_spec
+from .fewbit.convert import SMOOTH_LEFT, fewbit_target, is_fewbit, swap_activation
 from .layers.modules import Q_LAYERS, QLayer, unsupported_reason
+from .policies import POLICY_OPTIONS, Policy, make_policy
 
 log = logging.getLogger("actcore")
 
@@ -54,6 +58,9 @@ def convert(
     *,
     exclude: Iterable[Exclude] = (),
     inplace: bool = True,
+    fewbit_bits: int | None = None,
+    policy: str | Policy | None = None,
+    **policy_options: Any,
 ) -> nn.Module:
     """Swap ``model``'s standard layers for Q-layers at ``level`` (default: ``config.level``).
 
@@ -61,8 +68,26 @@ def convert(
     ``(name, module) -> bool``. Idempotent; converting again sets the new level. A layer
     whose configuration a Q-layer cannot take is left as it is, with a warning. The
     :class:`ConversionReport` is returned model's ``act_report`` attribute (and logged).
+
+    ``fewbit_bits`` (1..4): smooth activations (GELU, SiLU, Tanh, Sigmoid, ELU, Mish,
+    Softplus, Hardswish, ...) become :mod:`actcore.fewbit` modules that keep a
+    ``fewbit_bits``-bit derivative index per element instead of their input; with None they
+    are left (and the report says so). Threshold, Hardsigmoid, Hardshrink and Softshrink
+    always become their few-bit forms (an exact 1-bit mask). Forward outputs are unchanged.
+
+    ``policy`` (``"fixed"``, ``"auto"``, ``"acgc"`` or an :mod:`actcore.policies` Policy, with
+    its ``policy_options`` such as ``error_bound=0.1``) picks the bits of each tensor a
+    Q-layer saves (key ``"<module name>:<role>"``) instead of the level's bits (and of L3's
+    adaptive bits); the level still says which roles are compressed and whether to swap.
+    The model's ``act_policy`` (a :class:`PolicyScheme`) then offers ``iterate(backprop)``
+    and ``state_dict()`` as :class:`actcore.Controller` does.
     """
     spec = level_spec(level if level is not None else config.level)
+    scheme = _make_scheme(spec, policy, policy_options)
+    if fewbit_bits is not None:
+        from .fewbit.tables import check_bits
+
+        check_bits(fewbit_bits)
     if spec.expandable_segments:
         from .allocator import enable_expandable_segments
 
@@ -75,6 +100,9 @@ def convert(
         if isinstance(module, QLayer):
             module.act_level = spec.name
             report.converted[name] = type(module).__name__
+            continue
+        if fewbit_target(module)[0] is not None or is_fewbit(module):
+            _swap_activation(name, module, fewbit_bits, exclude, report)
             continue
         target = Q_LAYERS.get(type(module))
         if target is None:
@@ -94,10 +122,28 @@ def convert(
         module.__class__ = target
         module.act_level = spec.name
         report.converted[name] = target.__name__
-    _set_adaptive(model, spec.adaptive)
+    _set_adaptive(model, spec.adaptive and scheme is None)
+    _set_policy(model, scheme)
     model.act_report = report
     log.info("%s", report)
     return model
+
+
+def _swap_activation(
+    name: str,
+    module: nn.Module,
+    bits: int | None,
+    exclude: tuple[Exclude, ...],
+    report: ConversionReport,
+) -> None:
+    if not is_fewbit(module) and _excluded(name, module, exclude):
+        report.left[name] = "excluded"
+        return
+    new = swap_activation(module, bits)
+    if new is None:
+        report.left[name] = SMOOTH_LEFT
+    else:
+        report.converted[name] = new
 
 
 def _set_adaptive(model: nn.Module, adaptive: bool) -> None:
@@ -112,6 +158,167 @@ def _set_adaptive(model: nn.Module, adaptive: bool) -> None:
     elif scheme is not None:
         AdaptiveBits.detach(model)
         model.act_adaptive = None
+
+
+def _make_scheme(spec: LevelSpec, policy: Any, options: dict[str, Any]) -> PolicyScheme | None:
+    if policy is None:
+        if options:
+            raise TypeError(f"options {sorted(options)} need a policy (fixed, auto, acgc)")
+        return None
+    if isinstance(policy, PolicyScheme):
+        return policy
+    if not isinstance(policy, Policy):
+        if policy not in POLICY_OPTIONS:
+            raise ValueError(
+                f"unknown policy {policy!r}; valid: {', '.join(POLICY_OPTIONS)} or a Policy"
+            )
+        default = spec.conv_bits if spec.conv_bits is not None else 4
+        if policy == "fixed":
+            options = {"bits": default, **options}
+        elif policy == "auto":
+            options = {"avg_bits": default, **options}
+        # swapping is the level's business here (L4, L5, swap wrap every compressor)
+        policy = make_policy("L2", policy, **options)
+    elif options:
+        raise TypeError(f"options {sorted(options)} cannot apply to a Policy instance")
+    return PolicyScheme(policy)
+
+
+def _set_policy(model: nn.Module, scheme: PolicyScheme | None) -> None:
+    old = getattr(model, "act_policy", None)
+    if isinstance(old, PolicyScheme):
+        old.detach()
+    if scheme is None:
+        if old is not None:
+            model.act_policy = None
+        return
+    model.act_policy = scheme.attach(model)
+
+
+class PolicyScheme:
+    """A policy of :mod:`actcore.policies` as the ``act_scheme`` of a converted model's
+    Q-layers: the same bit plans, estimation and ``state_dict`` as with the hooks route.
+
+    Call :meth:`iterate` once per training iteration (``backprop`` runs one forward and
+    backward, no optimizer step); adaptive policies re-estimate every ``adapt_interval``
+    iterations. Keys are ``"<module name>:<role>"`` (role ``conv`` or ``norm``).
+    """
+
+    def __init__(self, policy: Policy, *, group_size: int | None = None) -> None:
+        self.policy = policy
+        self.group_size = config.group_size if group_size is None else group_size
+        self.model: nn.Module | None = None
+        self.iteration = 0
+        # what AdaptivePolicy.adapt sets while it estimates (same protocol as the hooks')
+        self.seeds: Any = None
+        self.stats: Any = None
+        self._layers: list[nn.Module] = []
+
+    def attach(self, model: nn.Module) -> PolicyScheme:
+        """Become the ``act_scheme`` of every Q-layer of ``model`` (names become keys)."""
+        self.detach()
+        self.model = model
+        for name, module in model.named_modules():
+            if isinstance(module, QLayer):
+                module.act_scheme = self
+                module.act_name = name
+                self._layers.append(module)
+        return self
+
+    def detach(self) -> None:
+        for module in self._layers:
+            if getattr(module, "act_scheme", None) is self:
+                module.act_scheme = None
+        self._layers = []
+        self.model = None
+
+    # ---- the engine's hook ------------------------------------------------------------------
+
+    def compressor(self, layer: Any, role: str, x: Any, bits: int, mask: Any) -> Compressor | None:
+        """The policy's compressor for ``x``, which ``layer`` saves in ``role``."""
+        from .hooks import SeededQuantize
+
+        name = getattr(layer, "act_name", None)
+        if name is None:
+            return None
+        key = f"{name}:{role}"
+        chosen = self.policy.bits_for(key)
+        if chosen is None:
+            return IDENTITY
+        per_sample = mask is None
+        if self.seeds is not None:
+            q: Compressor = SeededQuantize(
+                chosen, self.group_size, per_sample=per_sample, seed=self.seeds.get(key, 0)
+            )
+        else:
+            q = Quantize(chosen, self.group_size, per_sample=per_sample, stochastic=True)
+        if self.stats is not None:
+            q = _Recorded(q, key, chosen, self)
+        return q if mask is None else ZeroValue(mask, q)
+
+    # ---- iterations and state ---------------------------------------------------------------
+
+    def iterate(self, backprop: Callable[[], Any] | None = None) -> None:
+        """Once per iteration; adaptive policies re-estimate by calling ``backprop``."""
+        if self.policy.wants_adapt(self.iteration):
+            if backprop is None:
+                raise ValueError(
+                    f"policy {self.policy.name!r} adapts at iteration {self.iteration}: "
+                    "iterate() needs the backprop callable"
+                )
+            if self.model is None:
+                raise RuntimeError("this PolicyScheme is not attached to a model")
+            self.policy.adapt(self, backprop)
+        self.iteration += 1
+
+    @property
+    def bit_plan(self) -> dict[str, int | None]:
+        return dict(getattr(self.policy, "plan", {}))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"iteration": self.iteration, "policy": self.policy.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = {"iteration", "policy"} - set(state)
+        if missing:
+            raise KeyError(f"PolicyScheme state lacks {sorted(missing)}")
+        self.policy.load_state_dict(state["policy"])
+        self.iteration = int(state["iteration"])
+
+    def __repr__(self) -> str:
+        return f"PolicyScheme({self.policy!r}, iteration={self.iteration})"
+
+
+@dataclass(frozen=True, eq=False)
+class _Recorded(Compressor):
+    """Packs with ``inner`` and records its spread in the scheme's estimation statistics."""
+
+    inner: Compressor
+    stat_key: str
+    bits: int
+    scheme: PolicyScheme
+    name = "recorded"
+
+    @property
+    def lossy(self) -> bool:  # type: ignore[override]
+        return self.inner.lossy
+
+    def pack(self, x: Any) -> tuple[Any, Any]:
+        from .hooks import record_stats
+
+        tensors, meta = self.inner.pack(x)
+        stats = self.scheme.stats
+        if stats is not None:
+            record_stats(
+                stats, self.stat_key, self.bits, x.numel(), tensors, self.scheme.group_size
+            )
+        return tensors, meta
+
+    def unpack(self, tensors: Any, meta: Any) -> Any:
+        return self.inner.unpack(tensors, meta)
+
+    def key(self) -> tuple:
+        return (self.name, self.stat_key, *self.inner.key())
 
 
 def _base_name(module: nn.Module) -> str:

@@ -65,6 +65,27 @@ def layer_spec(layer: Any) -> LevelSpec:
     return level_spec(level if level is not None else config.level)
 
 
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
+
+
+def in_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are ``torch.utils.checkpoint``'s
+    (non-reentrant): what is saved now is dropped and recomputed in backward anyway."""
+    if _TOP_HOOKS is None or torch.compiler.is_compiling():
+        return False  # (Dynamo cannot trace the accessor; checkpoint under compile differs)
+    try:
+        top = _TOP_HOOKS(True)
+    except TypeError:  # a build whose accessor takes no argument
+        top = _TOP_HOOKS()
+    if top is None:
+        return False
+    pack = top[0]
+    return getattr(pack, "__module__", "") == "torch.utils.checkpoint" and getattr(
+        pack, "__qualname__", ""
+    ).startswith(_CHECKPOINT_HOOKS)
+
+
 def choose(layer: Any, role: str, x: torch.Tensor) -> Compressor:
     """The compressor for tensor ``x`` that ``layer`` saves in ``role``.
 
@@ -72,8 +93,15 @@ def choose(layer: Any, role: str, x: torch.Tensor) -> Compressor:
     asked first through ``scheme.compressor(layer, role, x, bits, mask)`` (``bits``: the
     level's bits for the role, ``mask``: the ReLU mask for zero-value storage or None); it
     returns a compressor, or None for the level's default.
+
+    Inside a region checkpointed by ``torch.utils.checkpoint`` (non-reentrant) it is the
+    identity: checkpoint drops what is saved there and recomputes it in backward, so
+    compressing would only cost time, and the recomputation must save tensors of the same
+    shapes as the forward did (a ReLU-mask or adaptive-bits decision could differ).
     """
     spec = layer_spec(layer)
+    if in_checkpoint():
+        return IDENTITY
     bits = spec.conv_bits if role == CONV else spec.norm_bits
     if bits is None or x.numel() < config.min_numel or not x.is_floating_point():
         base: Compressor = IDENTITY

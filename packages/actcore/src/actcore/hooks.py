@@ -96,6 +96,9 @@ class SeededQuantize(Quantize):
         )
         return p.tensors(), (p.shape, p.dtype, p.bits, p.group_size, p.per_sample)
 
+    def key(self) -> tuple:
+        return (*super().key(), self.seed)
+
 
 # --------------------------------------------------------------------------------------------
 # Handles
@@ -197,6 +200,20 @@ class PassStats:
         keys = list(self.spread)
         values = torch.stack([self.spread[k].float().cpu() for k in keys]).tolist()
         return dict(zip(keys, values, strict=True))
+
+
+def record_stats(
+    stats: PassStats, key: str, bits: int, numel: int, tensors: Any, group_size: int
+) -> None:
+    """Record ``key``'s quantization spread from a :class:`Quantize` pack's tensors
+    ``(payload, lo, step)`` (first record of a key wins; other packs are ignored)."""
+    step = tensors[2] if len(tensors) == 3 else None
+    if step is None or key in stats.bits:
+        return
+    levels = float(2**bits - 1)
+    stats.bits[key] = bits
+    stats.numel[key] = numel
+    stats.spread[key] = step.float().square().sum() * (group_size * levels**2 / 6.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -412,15 +429,8 @@ class SavedTensorCompressor:
         return h
 
     def _record_stats(self, key: str, bits: int, numel: int, tensors: Any, meta: Any) -> None:
-        stats = self.stats
-        assert stats is not None
-        step = tensors[2] if len(tensors) == 3 else None
-        if step is None or key in stats.bits:
-            return
-        levels = float(2**bits - 1)
-        stats.bits[key] = bits
-        stats.numel[key] = numel
-        stats.spread[key] = step.float().square().sum() * (self.group_size * levels**2 / 6.0)
+        assert self.stats is not None
+        record_stats(self.stats, key, bits, numel, tensors, self.group_size)
 
     def _prune(self) -> None:
         dead = [k for k, (a, b) in self._dedup.items() if a() is None or b() is None]

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["convert_linear", "map_module"]
+__all__ = ["convert_linear", "fewbit_target", "is_fewbit", "map_module", "swap_activation"]
 
 
 def map_module(root: nn.Module, fn: Callable[[nn.Module, str], nn.Module]) -> nn.Module:
@@ -81,3 +81,80 @@ def convert_linear(module: nn.Module, ctor: Callable[..., nn.Module], **kw: Any)
         return _convert_one(m, ctor, kw) if type(m) is nn.Linear else m
 
     return map_module(module, fn)
+
+
+# --------------------------------------------------------------------------------------------
+# Activation swap (used by ``actcore.convert(..., fewbit_bits=k)`` and ``Controller``)
+# --------------------------------------------------------------------------------------------
+
+SMOOTH_LEFT = "smooth activation: pass fewbit_bits=k to compress its derivative"
+
+
+def _activation_tables() -> tuple[dict[type, type], dict[type, type]]:
+    from . import modules as M
+
+    smooth = {
+        nn.CELU: M.CELU,
+        nn.ELU: M.ELU,
+        nn.GELU: M.GELU,
+        nn.Hardswish: M.Hardswish,
+        nn.LogSigmoid: M.LogSigmoid,
+        nn.Mish: M.Mish,
+        nn.SELU: M.SELU,
+        nn.Sigmoid: M.Sigmoid,
+        nn.SiLU: M.SiLU,
+        nn.Softplus: M.Softplus,
+        nn.Softsign: M.Softsign,
+        nn.Tanh: M.Tanh,
+        nn.Tanhshrink: M.Tanhshrink,
+    }
+    # two-valued derivatives: exact from a 1-bit mask (ReLU, LeakyReLU, ReLU6 and Hardtanh are
+    # the layer-swap route's own Q-layers and are not listed)
+    piecewise = {
+        nn.Threshold: M.Threshold,
+        nn.Hardsigmoid: M.Hardsigmoid,
+        nn.Hardshrink: M.Hardshrink,
+        nn.Softshrink: M.Softshrink,
+    }
+    return smooth, piecewise
+
+
+def fewbit_target(module: nn.Module) -> tuple[type[nn.Module] | None, bool]:
+    """The few-bit class for a plain torch activation ``module`` and whether it is smooth
+    (needs a ``bits`` choice); ``(None, False)`` for anything else (subclasses included)."""
+    smooth, piecewise = _activation_tables()
+    cls = type(module)
+    if cls in smooth:
+        return smooth[cls], True
+    if cls in piecewise:
+        return piecewise[cls], False
+    return None, False
+
+
+def is_fewbit(module: nn.Module) -> bool:
+    """Whether ``module`` is already one of :mod:`actcore.fewbit`'s activation modules."""
+    from .modules import _FewBit
+
+    return isinstance(module, _FewBit)
+
+
+def swap_activation(module: nn.Module, bits: int | None) -> str | None:
+    """Turn a plain torch activation into its few-bit subclass, in place (same object, so
+    hooks and ``state_dict`` stay; activations have no state). Smooth activations get
+    ``bits`` (1..4), piecewise-linear ones 1 bit (exact). Returns the new class name, or
+    None when ``module`` is not swappable or is smooth and ``bits`` is None. A module that is
+    already few-bit gets ``bits`` (when given, for smooth ones)."""
+    from .tables import check_bits
+
+    if bits is not None:
+        check_bits(bits)
+    if is_fewbit(module):
+        if bits is not None and type(module) in _activation_tables()[0].values():
+            module.bits = bits  # type: ignore[assignment]
+        return type(module).__name__
+    target, smooth = fewbit_target(module)
+    if target is None or (smooth and bits is None):
+        return None
+    module.__class__ = target
+    module.bits = bits if smooth else 1  # type: ignore[assignment]
+    return target.__name__
