@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import actcore
@@ -344,3 +345,30 @@ def test_fixed_policy_through_convert_sets_bits_and_bad_policy_errors() -> None:
     actcore.convert(model, level="L3")
     assert model.act_policy is None and model.act_adaptive is not None
     assert model[0].act_scheme is model.act_adaptive
+
+
+def test_q_layers_inside_compressing_hooks_keep_their_own_packing():
+    """Hooks pass through what a Q-layer saved: its packed data, weights, exact statistics.
+
+    Without that, the hooks quantized again a Q-layer's packed metadata and normalization
+    statistics (both above the hooks' size threshold here), corrupting its backward.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(8, 1024, 1, bias=False), nn.BatchNorm2d(1024), nn.ReLU(), nn.Conv2d(1024, 4, 1)
+    )
+    x = torch.randn(4, 8, 16, 16)  # packed metadata of 4 x 1024 groups per tensor
+    model(x).square().sum().backward()
+    exact = [p.grad.clone() for p in model.parameters()]
+    actcore.convert(model, level="L2")
+    with memory.track(model) as alone:
+        out = model(x)
+    del out
+    with memory.track(model) as inside, actcore.compress_saved_tensors("L1.2"):
+        out = model(x)
+    assert inside.retained_bytes == alone.retained_bytes  # nothing packed a second time
+    model.zero_grad()
+    out.square().sum().backward()
+    for p, g in zip(model.parameters(), exact, strict=True):
+        cos = F.cosine_similarity(p.grad.flatten(), g.flatten(), dim=0)
+        assert cos > 0.9, cos

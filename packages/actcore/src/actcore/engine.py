@@ -146,9 +146,21 @@ def stash(ctx: Any, layer: Any, items: Sequence[tuple[torch.Tensor | None, str |
         packed, meta = _pack_once(comp, x)
         plan.append((len(packed), comp, meta))
         tensors.extend(packed)
+    for t in tensors:  # saved-tensor hooks must keep these as they are: see is_stashed
+        _records.setdefault(t)["stashed"] = True
     ctx.save_for_backward(*tensors)
     ctx.act_plan = plan
     ctx.act_layer = layer
+
+
+def is_stashed(t: torch.Tensor) -> bool:
+    """Whether ``t`` (unchanged since) was saved by a Q-layer through :func:`stash`.
+
+    Such a tensor is already packed at the layer's level, or must stay exact (weights,
+    normalization statistics, masks): the hooks route passes it through untouched.
+    """
+    record = _records.get(t)
+    return record is not None and record.get("stashed", False)
 
 
 def _pack_once(comp: Compressor, x: torch.Tensor) -> tuple[Tensors, Any]:

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import memory, ops
+from . import engine, memory, ops
 from .compressors import Compressor, Quantize, Swap
 
 __all__ = [
@@ -365,6 +365,8 @@ class SavedTensorCompressor:
             return self._passthrough(t, note=False) if isinstance(t, Tensor) else t
         if _is_param_like(t, self._param_ptrs):
             return self._passthrough(t, note=False)
+        if engine.is_stashed(t):  # a Q-layer packed it already (or needs it exact)
+            return self._passthrough(t, note=True)
         if not self.policy.compresses:
             return self._passthrough(t, note=True)
         small = t.numel() < self.min_numel
