@@ -149,7 +149,7 @@ def convert(
     rules = _check_exclude(exclude)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        actcore.convert(model, spec.name, exclude=rules)
+        actcore.convert(model, spec.name, exclude=rules, fewbit_bits=bits)
     core = model.act_report
     for w in caught:
         warnings.warn(w.message, w.category, stacklevel=2)
