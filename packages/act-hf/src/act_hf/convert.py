@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import warnings
 from collections.abc import Callable, Iterable
@@ -13,6 +12,8 @@ from transformers.pytorch_utils import Conv1D
 
 import actcore
 from actcore.config import LevelSpec, level_spec
+from actcore.convert import check_exclude as _check_exclude
+from actcore.convert import is_excluded as _excluded
 from actcore.fewbit.tables import check_bits
 from actcore.layers import QLayer
 
@@ -64,30 +65,6 @@ def default_fewbit_bits(spec: LevelSpec) -> int | None:
     if spec.conv_bits is None:
         return None
     return 4 if spec.conv_bits >= 4 else 3
-
-
-def _excluded(name: str, module: nn.Module, exclude: Iterable[Exclude]) -> bool:
-    for rule in exclude:
-        if isinstance(rule, str):
-            if fnmatch.fnmatchcase(name, rule):
-                return True
-        elif isinstance(rule, type):
-            if isinstance(module, rule):
-                return True
-        elif callable(rule) and rule(name, module):
-            return True
-    return False
-
-
-def _check_exclude(exclude: Iterable[Exclude]) -> tuple[Exclude, ...]:
-    rules = tuple(exclude) if not isinstance(exclude, str) else (exclude,)
-    for rule in rules:
-        if not (isinstance(rule, (str, type)) or callable(rule)):
-            raise TypeError(
-                "exclude takes module names (fnmatch patterns), module types or "
-                f"predicates (name, module) -> bool; got {rule!r}"
-            )
-    return rules
 
 
 def _set_attention(model: nn.Module, report: HFConversionReport) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -13,6 +12,8 @@ from torch_geometric.nn import MessagePassing
 
 import actcore
 from actcore.config import level_spec
+from actcore.convert import check_exclude
+from actcore.convert import is_excluded as _excluded
 
 from . import hooks
 from .convs import CONVERTED, QMessagePassing, unsupported_reason
@@ -45,19 +46,6 @@ class ConversionReport(actcore.ConversionReport):
         lines += [f"  hooks route {name}: {why}" for name, why in self.hooks.items()]
         lines += [f"  left {name or '<root>'}: {why}" for name, why in self.left.items()]
         return "\n".join(lines)
-
-
-def _excluded(name: str, module: nn.Module, rules: tuple[Exclude, ...]) -> bool:
-    for rule in rules:
-        if isinstance(rule, str):
-            if fnmatch.fnmatchcase(name, rule):
-                return True
-        elif isinstance(rule, type):
-            if isinstance(module, rule):
-                return True
-        elif callable(rule) and rule(name, module):
-            return True
-    return False
 
 
 _SELECTING = ("max", "min", "amax", "amin")
@@ -123,7 +111,7 @@ def convert(
     projection = _check_projection(random_projection)
     if attention_bits is not None:
         actcore.ops.api.check_bits(attention_bits, "attention_bits")
-    rules = tuple(exclude)
+    rules = check_exclude(exclude)
     report = ConversionReport(spec.name, random_projection=projection)
     for name, module in gnn.named_modules():
         if not isinstance(module, MessagePassing):

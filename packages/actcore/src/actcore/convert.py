@@ -41,7 +41,8 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def _excluded(name: str, module: nn.Module, exclude: Iterable[Exclude]) -> bool:
+def is_excluded(name: str, module: nn.Module, exclude: Iterable[Exclude]) -> bool:
+    """Whether ``exclude`` (names or fnmatch patterns, types, predicates) names ``module``."""
     for rule in exclude:
         if isinstance(rule, str) and (fnmatch.fnmatchcase(name, rule) or name == rule):
             return True
@@ -50,6 +51,18 @@ def _excluded(name: str, module: nn.Module, exclude: Iterable[Exclude]) -> bool:
         if callable(rule) and not isinstance(rule, type) and rule(name, module):
             return True
     return False
+
+
+def check_exclude(exclude: str | Iterable[Exclude]) -> tuple[Exclude, ...]:
+    """``exclude`` as a tuple of rules, or TypeError naming a rule that is none of the kinds."""
+    rules = (exclude,) if isinstance(exclude, str) else tuple(exclude)
+    for rule in rules:
+        if not (isinstance(rule, (str, type)) or callable(rule)):
+            raise TypeError(
+                "exclude takes module names (fnmatch patterns), module types or "
+                f"predicates (name, module) -> bool; got {rule!r}"
+            )
+    return rules
 
 
 def convert(
@@ -92,7 +105,7 @@ def convert(
         from .allocator import enable_expandable_segments
 
         enable_expandable_segments()
-    exclude = tuple(exclude)
+    exclude = check_exclude(exclude)
     if not inplace:
         model = copy.deepcopy(model)
     report = ConversionReport(spec.name)
@@ -109,7 +122,7 @@ def convert(
             if any(isinstance(module, base) for base in Q_LAYERS):
                 report.left[name] = f"a subclass of {_base_name(module)} with its own behaviour"
             continue
-        if _excluded(name, module, exclude):
+        if is_excluded(name, module, exclude):
             report.left[name] = "excluded"
             continue
         reason = unsupported_reason(module)
@@ -136,7 +149,7 @@ def _swap_activation(
     exclude: tuple[Exclude, ...],
     report: ConversionReport,
 ) -> None:
-    if not is_fewbit(module) and _excluded(name, module, exclude):
+    if not is_fewbit(module) and is_excluded(name, module, exclude):
         report.left[name] = "excluded"
         return
     new = swap_activation(module, bits)
