@@ -17,6 +17,12 @@ Everything the build needs is found here, so a user sets no environment variable
 Builds are cached under ``~/.cache/actcore/native`` (``$XDG_CACHE_HOME`` respected) in a
 directory named after a digest of the sources, flags, toolkit, torch and Python: a change
 to any of them builds afresh, an unchanged setup reuses the library.
+
+The CPU kernels (``cpu_kernels.cpp``) are a separate, CUDA-free library built the same way
+with the host C++ compiler (:func:`plan_cpu_build`, :func:`build_cpu`), so CPU users need
+no CUDA toolkit. Concurrent first uses (pytest workers, DDP processes, tox envs) are
+serialised by the OS-level file lock that ``torch.utils.cpp_extension`` holds in the build
+directory, which the kernel releases if its holder dies.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -45,6 +52,14 @@ DEFAULT_ARCH = "9.0"
 # denormals kept, correctly rounded division and square root.
 CUDA_FLAGS = ("-O3", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
 CXX_FLAGS = ("-O2",)
+CPU_EXTENSION_NAME = "actcore_native_cpu"
+CPU_SOURCES = ("cpu_kernels.cpp",)
+CPU_ABI_VERSION = 1  # csrc/cpu_kernels.cpp: kAbiVersion
+# Bit-exactness with the reference: no fused multiply-add (GCC contracts by default), no
+# fast-math. The hot loops pick their ISA (baseline or AVX2) at run time: no -march flag,
+# so a cached library runs on any CPU of the architecture.
+CPU_CXX_FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-Wno-psabi")
+CPU_MSVC_FLAGS = ("/O2", "/fp:precise")
 _ARCH_RE = re.compile(r"^(\d+)\.(\d+)([af]?)(\+PTX)?$")
 
 
@@ -83,17 +98,26 @@ class BuildPlan:
 
 
 # ------------------------------------------------------------------------------ sources
-def source_dir() -> Path:
-    """The directory holding the C++/CUDA sources (package data, or the checkout's csrc/)."""
+def _find_sources(names: Sequence[str]) -> Path:
     here = Path(__file__).resolve().parent
     candidates = [here / "csrc", *(parent / "csrc" for parent in here.parents)]
     for candidate in candidates:
-        if all((candidate / name).is_file() for name in SOURCES + HEADERS):
+        if all((candidate / name).is_file() for name in names):
             return candidate
     raise NativeBuildError(
-        f"actcore's C++/CUDA sources ({', '.join(SOURCES + HEADERS)}) were not found in "
+        f"actcore's C++/CUDA sources ({', '.join(names)}) were not found in "
         f"{here / 'csrc'} nor in a csrc/ directory above it; reinstall actcore"
     )
+
+
+def source_dir() -> Path:
+    """The directory holding the C++/CUDA sources (package data, or the checkout's csrc/)."""
+    return _find_sources(SOURCES + HEADERS)
+
+
+def cpu_source_dir() -> Path:
+    """The directory holding the CPU kernels' source (``cpu_kernels.cpp``)."""
+    return _find_sources(CPU_SOURCES)
 
 
 # ------------------------------------------------------------------------------ toolkit
@@ -334,11 +358,34 @@ def build(plan: BuildPlan, verbose: bool = False) -> Path:
     :func:`actcore.native.loader.register` is called. NativeBuildError on any failure,
     with the compiler's output.
     """
+    with _cuda_home(plan.toolkit.root):
+        return _compile(
+            EXTENSION_NAME,
+            plan.sources,
+            plan.build_dir,
+            plan.cxx_flags,
+            plan.cuda_flags,
+            with_cuda=True,
+            verbose=verbose,
+        )
+
+
+def _compile(
+    name: str,
+    sources: Sequence[Path],
+    build_dir: Path,
+    cxx_flags: Sequence[str],
+    cuda_flags: Sequence[str],
+    *,
+    with_cuda: bool,
+    verbose: bool,
+) -> Path:
+    """``cpp_extension.load`` of a library (not a Python module); NativeBuildError on failure."""
     import logging
 
     if shutil.which("ninja") is None and not _ninja_from_pip():
         raise NativeBuildError("ninja is not installed (`pip install ninja`)")
-    plan.build_dir.mkdir(parents=True, exist_ok=True)
+    build_dir.mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger("torch.utils.cpp_extension")
     level = logger.level
     if not verbose:  # torch's notes ("No CUDA runtime is found, using CUDA_HOME=<its guess>")
@@ -346,26 +393,84 @@ def build(plan: BuildPlan, verbose: bool = False) -> Path:
     try:
         from torch.utils import cpp_extension
 
-        with _cuda_home(plan.toolkit.root):
-            path = cpp_extension.load(
-                name=EXTENSION_NAME,
-                sources=[str(s) for s in plan.sources],
-                extra_cflags=list(plan.cxx_flags),
-                extra_cuda_cflags=list(plan.cuda_flags),
-                build_directory=str(plan.build_dir),
-                verbose=verbose,
-                with_cuda=True,
-                is_python_module=False,
-            )
+        path = cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_cflags=list(cxx_flags),
+            extra_cuda_cflags=list(cuda_flags) if with_cuda else None,
+            build_directory=str(build_dir),
+            verbose=verbose,
+            with_cuda=with_cuda,
+            is_python_module=False,
+        )
     except NativeBuildError:
         raise
     except Exception as exc:  # the compiler's output is in the message
-        raise NativeBuildError(
-            f"building {EXTENSION_NAME} in {plan.build_dir} failed: {exc}"
-        ) from exc
+        raise NativeBuildError(f"building {name} in {build_dir} failed: {exc}") from exc
     finally:
         logger.setLevel(level)
     return Path(path)
+
+
+# ------------------------------------------------------------------------------ CPU kernels
+@dataclass(frozen=True)
+class CpuBuildPlan:
+    """What :func:`build_cpu` compiles (one C++ file, no CUDA), with which flags, where."""
+
+    sources: tuple[Path, ...]
+    build_dir: Path
+    cxx_flags: tuple[str, ...]
+
+    @property
+    def library(self) -> Path:
+        return self.build_dir / f"{CPU_EXTENSION_NAME}.so"
+
+
+def cpu_cxx_flags() -> tuple[str, ...]:
+    """The compiler flags of the CPU kernels on this platform."""
+    return CPU_MSVC_FLAGS if sys.platform == "win32" else CPU_CXX_FLAGS
+
+
+def plan_cpu_build(build_dir: str | os.PathLike | None = None) -> CpuBuildPlan:
+    """Resolve the CPU kernels' source, flags and cached build directory (needs no CUDA)."""
+    src = cpu_source_dir()
+    flags = cpu_cxx_flags()
+    digest = hashlib.sha256()
+    for name in CPU_SOURCES:
+        digest.update(name.encode() + b"\0" + (src / name).read_bytes() + b"\0")
+    compiler = os.environ.get("CXX", "c++")
+    for part in (*flags, compiler, platform.machine(), torch.__version__, sys.version):
+        digest.update(part.encode() + b"\0")
+    digest.update(str(CPU_ABI_VERSION).encode())
+    if build_dir is None:
+        tag = "-".join(
+            [
+                "cpu",
+                f"py{sys.version_info.major}{sys.version_info.minor}",
+                f"torch{torch.__version__}",
+                platform.machine() or "unknown",
+                digest.hexdigest()[:16],
+            ]
+        )
+        build_dir = cache_root() / _safe(tag)
+    return CpuBuildPlan(
+        sources=tuple(src / name for name in CPU_SOURCES),
+        build_dir=Path(build_dir),
+        cxx_flags=flags,
+    )
+
+
+def build_cpu(plan: CpuBuildPlan, verbose: bool = False) -> Path:
+    """Compile and link the CPU kernels (a no-op when cached) and load the library."""
+    return _compile(
+        CPU_EXTENSION_NAME,
+        plan.sources,
+        plan.build_dir,
+        plan.cxx_flags,
+        (),
+        with_cuda=False,
+        verbose=verbose,
+    )
 
 
 def _ninja_from_pip() -> bool:

@@ -89,6 +89,7 @@ def run_status(args: argparse.Namespace) -> int:
 
     if args.load:
         loader.load(warn=False)
+        loader.load_cpu(warn=False)
     info = loader.status()
     if args.json:
         print(json.dumps(info, indent=2))
@@ -104,7 +105,7 @@ def run_status(args: argparse.Namespace) -> int:
     toolkit = info["toolkit"]
     rows = [
         ("kernels loaded", loaded),
-        ("devices", ", ".join(info["devices"]) or "no CUDA device (the reference path runs)"),
+        ("devices", ", ".join(info["devices"]) or "no CUDA device"),
         ("torch", f"{info['torch']} (CUDA {info['torch_cuda']})"),
         (
             "CUDA toolkit",
@@ -121,11 +122,25 @@ def run_status(args: argparse.Namespace) -> int:
             else f"none: {info.get('plan_error')}",
         ),
         ("ACTCORE_NATIVE", "off" if info["disabled"] else "on"),
+        ("CPU kernels", _cpu_row(info["cpu"])),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     return 0
+
+
+def _cpu_row(cpu: dict[str, Any]) -> str:
+    """One line on the CPU kernels (csrc/cpu_kernels.cpp)."""
+    if cpu["active"]:
+        isa = "AVX2" if cpu["avx2"] else "baseline ISA"
+        return f"active ({isa}), {cpu['library']}"
+    if cpu["attempted"]:
+        return f"not active: {cpu['error'] or 'switched off in this process'}"
+    if cpu["disabled"]:
+        return "off (ACTCORE_NATIVE_CPU / ACTCORE_NATIVE)"
+    built = "built" if cpu["built"] else "not built yet"
+    return f"not loaded ({built}, {cpu['build_dir']}; they load on the first op on a CPU tensor)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Load actcore's CUDA kernels on first use on a CUDA tensor.
+"""Load actcore's native kernels (CUDA, and CPU) on first use on a tensor of their device.
 
 The ops' pure-PyTorch bodies (:mod:`actcore.ops.library`) call :func:`ready` when they
 get a CUDA tensor. The first call builds the extension (cached, see :mod:`.build`), loads
@@ -7,14 +7,23 @@ from then on the dispatcher sends CUDA tensors straight to them. Any failure (no
 toolkit, compile error, stale library) gives one :class:`NativeUnavailableWarning` and the
 reference path stays, for the rest of the process; importing actcore never fails.
 ``ACTCORE_NATIVE=0`` turns the kernels off.
+
+The CPU kernels (``csrc/cpu_kernels.cpp``, a separate library that needs no CUDA) work the
+same way from the first op on a CPU tensor: built with the host compiler, cached, registered
+as the ``CPU`` implementation, one warning and the reference path on any failure. They are
+on by default (``CPU_DEFAULT_ON``); ``ACTCORE_NATIVE_CPU=0`` turns them off (``=1`` on),
+and :func:`cpu_kernels` switches them in-process (tests run the reference both ways).
+A forked process (DataLoader workers) inherits the loaded kernels and never rebuilds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +32,8 @@ import torch
 
 OPS = ("quantize", "dequantize", "pack_bits", "unpack_bits", "hash_uniform")
 _OFF = {"0", "off", "false", "no"}
+_ON = {"1", "on", "true", "yes"}
+CPU_DEFAULT_ON = True  # the CPU kernels load on the first op on a CPU tensor
 
 
 class NativeUnavailableWarning(RuntimeWarning):
@@ -39,13 +50,45 @@ class _State:
     lock: threading.RLock = field(default_factory=threading.RLock)
 
 
+@dataclass
+class _CpuState:
+    attempted: bool = False
+    active: bool = False  # registered as the ops' CPU kernels right now
+    library: Path | None = None
+    handle: ctypes.CDLL | None = None
+    error: str | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+
 _STATE = _State()
+_CPU_STATE = _CpuState()
 _LOCAL = threading.local()
+
+
+def _after_fork_in_child() -> None:
+    # A lock held by another thread of the parent (a build in progress) would never be
+    # released in the child: give it fresh ones. The loaded kernels stay registered.
+    _STATE.lock = threading.RLock()
+    _CPU_STATE.lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def disabled() -> bool:
     """Whether ``ACTCORE_NATIVE`` turns the native kernels off (0, off, false, no)."""
     return os.environ.get("ACTCORE_NATIVE", "").strip().lower() in _OFF
+
+
+def cpu_disabled() -> bool:
+    """Whether the CPU kernels are off: ``ACTCORE_NATIVE`` or ``ACTCORE_NATIVE_CPU`` off."""
+    if disabled():
+        return True
+    value = os.environ.get("ACTCORE_NATIVE_CPU", "").strip().lower()
+    if value in _OFF:
+        return True
+    return False if value in _ON else not CPU_DEFAULT_ON
 
 
 def register(library: str | os.PathLike) -> None:
@@ -132,12 +175,160 @@ def ready(op: str) -> bool:
 
 
 def call(op: str, *args: Any) -> Any:
-    """Run ``torch.ops.actcore.<op>`` again, now that its CUDA kernel is registered."""
+    """Run ``torch.ops.actcore.<op>`` again, now that its native kernel is registered."""
     _LOCAL.calling = True
     try:
         return getattr(torch.ops.actcore, op).default(*args)
     finally:
         _LOCAL.calling = False
+
+
+# ------------------------------------------------------------------------------ CPU kernels
+def _cpu_library(library: str | os.PathLike) -> ctypes.CDLL:
+    from ..ops import library as _ops  # noqa: F401 - defines the actcore::* schemas
+    from .build import CPU_ABI_VERSION, NativeBuildError
+
+    lib = ctypes.CDLL(str(library))
+    abi = lib.actcore_cpu_abi_version()
+    if abi != CPU_ABI_VERSION:
+        raise NativeBuildError(f"{library} has interface version {abi}, expected {CPU_ABI_VERSION}")
+    lib.actcore_cpu_register.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    lib.actcore_cpu_register.restype = ctypes.c_int
+    lib.actcore_cpu_unregister.restype = None
+    lib.actcore_cpu_uses_avx2.restype = ctypes.c_int
+    return lib
+
+
+def _register_cpu(lib: ctypes.CDLL) -> None:
+    from .build import NativeBuildError
+
+    message = ctypes.create_string_buffer(8192)
+    if lib.actcore_cpu_register(message, len(message)) != 0:
+        raise NativeBuildError(
+            f"registering the CPU kernels failed: {message.value.decode(errors='replace')}"
+        )
+    has_kernel = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
+    if has_kernel is not None:
+        missing = [op for op in OPS if not has_kernel(f"actcore::{op}", "CPU")]
+        if missing:
+            lib.actcore_cpu_unregister()
+            raise NativeBuildError(f"the CPU library registered no kernel for {missing}")
+
+
+def _load_cpu(warn: bool) -> bool:
+    """Build (when not cached), load and register the CPU kernels; False on any failure."""
+    state = _CPU_STATE
+    try:
+        if state.handle is None:
+            from . import build
+
+            path = build.build_cpu(build.plan_cpu_build())
+            state.handle = _cpu_library(path)
+            state.library = Path(path)
+        _register_cpu(state.handle)
+    except Exception as exc:  # any failure: stay on the reference path
+        state.error = f"{type(exc).__name__}: {exc}"
+        if warn:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            warnings.warn(
+                f"actcore: CPU kernels unavailable ({type(exc).__name__}: {first_line}); "
+                "using the PyTorch reference implementation. `actcore native status` says "
+                "more; ACTCORE_NATIVE_CPU=0 turns them off.",
+                NativeUnavailableWarning,
+                stacklevel=4,
+            )
+        return False
+    state.active = True
+    state.error = None
+    return True
+
+
+def load_cpu(*, warn: bool = True) -> bool:
+    """Build, load and register the CPU kernels, once per process (unless turned off).
+
+    True when they are registered. Never raises; a failure is warned about once.
+    """
+    state = _CPU_STATE
+    with state.lock:
+        if state.attempted:
+            return state.active
+        state.attempted = True
+        if cpu_disabled():
+            state.error = "turned off by ACTCORE_NATIVE or ACTCORE_NATIVE_CPU"
+            return False
+        return _load_cpu(warn)
+
+
+def cpu_ready(op: str) -> bool:
+    """Hook of the ops' reference bodies on a CPU tensor: load the CPU kernels on first use.
+
+    True when ``op`` now has a CPU kernel (hand over with :func:`call`); False inside such a
+    hand-over, when turned off, and when the kernels are unavailable.
+    """
+    if getattr(_LOCAL, "calling", False) or op not in OPS:
+        return False
+    state = _CPU_STATE
+    if not state.attempted:
+        load_cpu()
+    return state.active
+
+
+def cpu_active() -> bool:
+    """Whether the CPU kernels are registered (CPU tensors run them) right now."""
+    return _CPU_STATE.active
+
+
+def set_cpu_kernels(enabled: bool, *, warn: bool = True) -> bool:
+    """Register (building if needed) or unregister the CPU kernels for this process.
+
+    An explicit switch: it overrides ``ACTCORE_NATIVE_CPU``. Returns whether they were
+    active before. Turning them on can fail (a warning; they stay off).
+    """
+    state = _CPU_STATE
+    with state.lock:
+        before = state.active
+        state.attempted = True  # no automatic load after an explicit choice
+        if enabled and not state.active:
+            _load_cpu(warn)
+        elif not enabled and state.active:
+            assert state.handle is not None
+            state.handle.actcore_cpu_unregister()
+            state.active = False
+        return before
+
+
+@contextlib.contextmanager
+def cpu_kernels(enabled: bool) -> Iterator[bool]:
+    """Run a block with the CPU kernels on or off; yields whether they are on."""
+    before = set_cpu_kernels(enabled)
+    try:
+        yield _CPU_STATE.active
+    finally:
+        set_cpu_kernels(before, warn=False)
+
+
+def cpu_status() -> dict[str, Any]:
+    """What this process knows about the CPU kernels (never raises)."""
+    state = _CPU_STATE
+    info: dict[str, Any] = {
+        "active": state.active,
+        "attempted": state.attempted,
+        "library": str(state.library) if state.library else None,
+        "error": state.error,
+        "disabled": cpu_disabled(),
+        "avx2": bool(state.handle.actcore_cpu_uses_avx2()) if state.handle else None,
+    }
+    from . import build
+
+    try:
+        plan = build.plan_cpu_build()
+        info["build_dir"] = str(plan.build_dir)
+        info["built"] = plan.library.is_file()
+    except build.NativeBuildError as exc:
+        info["build_dir"] = None
+        info["built"] = False
+        info["plan_error"] = str(exc)
+    return info
 
 
 def status() -> dict[str, Any]:
@@ -185,4 +376,5 @@ def status() -> dict[str, Any]:
         info["build_dir"] = None
         info["built"] = False
         info["plan_error"] = str(exc)
+    info["cpu"] = cpu_status()
     return info

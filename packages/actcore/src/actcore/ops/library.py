@@ -2,8 +2,9 @@
 
 Each op has a schema, a fake (meta) kernel so ``torch.compile`` and FakeTensor tracing see
 its output shapes, and the pure-PyTorch reference as the implementation for every device.
-Native kernels (CUDA, ``csrc/``) register themselves for their device on top of these: the
-first call on a CUDA tensor loads them (:mod:`actcore.native.loader`) and hands over.
+Native kernels (``csrc/``: CUDA, and C++ for CPU) register themselves for their device on
+top of these: the first call on a tensor of that device loads them
+(:mod:`actcore.native.loader`) and hands over.
 The ops take already-validated arguments; :mod:`actcore.ops.api` is the checked front end.
 """
 
@@ -33,6 +34,8 @@ def quantize(
     """Per-group k-bit quantization: returns (payload uint8, lo bf16, step bf16)."""
     if x.is_cuda and _native.ready("quantize"):  # first CUDA use: load the CUDA kernels
         return _native.call("quantize", x, bits, group_size, stochastic, seed, per_sample)
+    if x.device.type == "cpu" and _native.cpu_ready("quantize"):  # first CPU use: CPU kernels
+        return _native.call("quantize", x, bits, group_size, stochastic, seed, per_sample)
     return quantize_reference(x, bits, group_size, stochastic, seed, per_sample)
 
 
@@ -60,6 +63,9 @@ def dequantize(
     if payload.is_cuda and _native.ready("dequantize"):
         args = (payload, lo, step, bits, group_size, shape, dtype, per_sample)
         return _native.call("dequantize", *args)
+    if payload.device.type == "cpu" and _native.cpu_ready("dequantize"):
+        args = (payload, lo, step, bits, group_size, shape, dtype, per_sample)
+        return _native.call("dequantize", *args)
     return dequantize_reference(payload, lo, step, bits, group_size, shape, dtype, per_sample)
 
 
@@ -72,6 +78,8 @@ def _dequantize_fake(payload, lo, step, bits, group_size, shape, dtype, per_samp
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 values below 2**bits into ``ceil(n / 8) * bits`` bytes."""
     if values.is_cuda and _native.ready("pack_bits"):
+        return _native.call("pack_bits", values, bits)
+    if values.device.type == "cpu" and _native.cpu_ready("pack_bits"):
         return _native.call("pack_bits", values, bits)
     return pack_bits_reference(values, bits)
 
@@ -86,6 +94,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """The first ``numel`` values of a ``pack_bits`` payload, as a flat uint8 tensor."""
     if packed.is_cuda and _native.ready("unpack_bits"):
         return _native.call("unpack_bits", packed, bits, numel)
+    if packed.device.type == "cpu" and _native.cpu_ready("unpack_bits"):
+        return _native.call("unpack_bits", packed, bits, numel)
     return unpack_bits_reference(packed, bits, numel)
 
 
@@ -98,6 +108,8 @@ def _unpack_bits_fake(packed, bits, numel):
 def hash_uniform(index: torch.Tensor, seed: int) -> torch.Tensor:
     """The stochastic-rounding noise in [0, 1) of int64 element indices, as float32."""
     if index.is_cuda and _native.ready("hash_uniform"):
+        return _native.call("hash_uniform", index, seed)
+    if index.device.type == "cpu" and _native.cpu_ready("hash_uniform"):
         return _native.call("hash_uniform", index, seed)
     return uniform_noise(index, seed)
 

@@ -1,0 +1,757 @@
+// CPU kernels of actcore's ops, bit-exact with the pure-PyTorch reference
+// (packages/actcore/src/actcore/ops/{quantization,bitpack,noise}.py), registered as the
+// `CPU` implementation of the actcore::* ops by actcore.native.loader. One translation
+// unit, no CUDA: built by torch.utils.cpp_extension with the host C++ compiler.
+//
+// Exactness rests on doing each float operation of the reference once, in its order, in
+// float32 (float64 for float64 input), with IEEE semantics: the build passes
+// -ffp-contract=off (no fused multiply-add) and no -ffast-math. Min and max are exact in
+// any order. As for the CUDA kernels, NaN bit patterns are not part of the contract (any
+// NaN is a NaN), nor is the sign of a zero group minimum (codes and values are the same).
+//
+// Speed: each group is read once for its min/max and once (from cache) for its codes;
+// codes go through a small buffer, 8 at a time into bit planes (one 64-bit multiply per
+// plane). Work is split over groups with at::parallel_for. On x86-64 the loops are compiled
+// twice, for the baseline ISA and for AVX2, and the variant is picked at run time, so a
+// cached library runs on any x86-64 CPU.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define ACTCORE_X86 1
+#define ACTCORE_AVX2 __attribute__((target("avx2")))
+#else
+#define ACTCORE_X86 0
+#endif
+#if defined(_MSC_VER)
+#define ACTCORE_INLINE __forceinline
+#else
+#define ACTCORE_INLINE inline __attribute__((always_inline))
+#endif
+
+namespace actcore_cpu {
+namespace {
+
+// Bumped whenever the registered ops or the C entry points change; loader.py checks it.
+constexpr int kAbiVersion = 1;
+constexpr int64_t kChunk = 1024;           // elements per inner pass (a multiple of 8)
+constexpr int64_t kGrainElements = 1 << 15;  // least work per parallel task
+constexpr uint32_t kMultA = 0x21F0AAADu;
+constexpr uint32_t kMultB = 0x735A2D97u;
+constexpr uint64_t kLowBits = 0x0101010101010101ull;
+
+bool has_avx2() {
+#if ACTCORE_X86
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+// ---------------------------------------------------------------- noise (noise.py)
+ACTCORE_INLINE uint32_t mix_tail(uint32_t x) {
+  x *= kMultA;
+  x ^= x >> 15;
+  x *= kMultB;
+  return x ^ (x >> 15);
+}
+
+ACTCORE_INLINE uint32_t mix32(uint32_t x) { return mix_tail(x ^ (x >> 16)); }
+
+// mix32 of a signed 64-bit word as the reference computes it: the first xor-shift is
+// arithmetic on 64 bits, and only the low 32 bits of it reach the multiplication.
+ACTCORE_INLINE uint32_t mix64(int64_t x) {
+  return mix_tail(static_cast<uint32_t>(x ^ (x >> 16)));
+}
+
+// Key of the block of 2**32 indices whose upper word is `hi`.
+ACTCORE_INLINE uint32_t block_key(int64_t seed, int64_t hi) {
+  return mix32(mix64(hi ^ (seed >> 32)) ^ static_cast<uint32_t>(seed));
+}
+
+constexpr float kTwoPowMinus24 = 5.9604644775390625e-08f;  // (h >> 8) * 2**-24 is exact
+
+// ---------------------------------------------------------------- bfloat16 metadata
+// Round toward -inf (quantization.round_to_bf16(up=False)): keep the upper half of the
+// bits; a negative inexact value gains one ulp of magnitude. NaN converts as torch does.
+ACTCORE_INLINE uint16_t bf16_down(float t) {
+  if (std::isnan(t)) return c10::BFloat16(t).x;
+  int32_t bits;
+  std::memcpy(&bits, &t, sizeof(bits));
+  int32_t top = bits >> 16;  // arithmetic: the sign stays
+  if ((bits & 0xFFFF) != 0 && bits < 0) top += 1;
+  return static_cast<uint16_t>(top);
+}
+
+// float64: first the largest float32 <= t (quantization._to_float32_directed).
+ACTCORE_INLINE uint16_t bf16_down(double t) {
+  float f = static_cast<float>(t);
+  if (static_cast<double>(f) > t) f = std::nextafter(f, -std::numeric_limits<float>::infinity());
+  return bf16_down(f);
+}
+
+// Toward +inf: the reference's -round_down(-t).
+template <typename T>
+ACTCORE_INLINE uint16_t bf16_up(T t) {
+  return static_cast<uint16_t>(bf16_down(-t) ^ 0x8000u);
+}
+
+template <typename T>
+ACTCORE_INLINE T from_bf16(uint16_t bits) {
+  const uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &word, sizeof(f));
+  return static_cast<T>(f);
+}
+
+// ---------------------------------------------------------------- bit planes (bitpack.py)
+// Bit j of each of the 8 bytes of w, as one byte (byte t's bit in bit t).
+ACTCORE_INLINE uint8_t gather_plane(uint64_t w, int j) {
+  return static_cast<uint8_t>((((w >> j) & kLowBits) * 0x0102040810204080ull) >> 56);
+}
+
+// Bit t of b to bit 0 of byte t.
+ACTCORE_INLINE uint64_t scatter_plane(uint8_t b) {
+  const uint64_t spread = (static_cast<uint64_t>(b) * kLowBits) & 0x8040201008040201ull;
+  return ((spread + 0x7F7F7F7F7F7F7F7Full) >> 7) & kLowBits;
+}
+
+// `blocks` blocks of 8 uint8 values -> `bits` bytes each.
+ACTCORE_INLINE void pack_blocks(const uint8_t* values, int64_t blocks, int bits, uint8_t* out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    uint64_t w;
+    std::memcpy(&w, values + 8 * b, sizeof(w));
+    uint8_t* o = out + b * bits;
+    for (int j = 0; j < bits; ++j) o[j] = gather_plane(w, j);
+  }
+}
+
+ACTCORE_INLINE void unpack_blocks(const uint8_t* in, int64_t blocks, int bits, uint8_t* values) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = in + b * bits;
+    uint64_t w = 0;
+    for (int j = 0; j < bits; ++j) w |= scatter_plane(p[j]) << j;
+    std::memcpy(values + 8 * b, &w, sizeof(w));
+  }
+}
+
+// ---------------------------------------------------------------- float helpers
+template <typename scalar_t>
+struct Acc {
+  using type = float;
+};
+template <>
+struct Acc<double> {
+  using type = double;
+};
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef double f64x4 __attribute__((vector_size(32)));
+template <typename T>
+struct Vec;
+template <>
+struct Vec<float> {
+  using type = f32x8;
+};
+template <>
+struct Vec<double> {
+  using type = f64x4;
+};
+
+// NaN-propagating min/max (a NaN anywhere wins, as torch's amin/amax).
+template <typename T>
+ACTCORE_INLINE T min_nan(T a, T b) {
+  return (b < a || b != b) ? b : a;
+}
+template <typename T>
+ACTCORE_INLINE T max_nan(T a, T b) {
+  return (b > a || b != b) ? b : a;
+}
+
+template <typename T>
+ACTCORE_INLINE void min_max(const T* p, int64_t n, T& mn, T& mx) {
+  using V = typename Vec<T>::type;
+  constexpr int kWidth = sizeof(V) / sizeof(T);
+  const T inf = std::numeric_limits<T>::infinity();
+  V vmn, vmx;
+  for (int l = 0; l < kWidth; ++l) {
+    vmn[l] = inf;
+    vmx[l] = -inf;
+  }
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) {
+    V v;
+    std::memcpy(&v, p + i, sizeof(V));
+    const auto nan = v != v;
+    vmn = ((v < vmn) | nan) ? v : vmn;
+    vmx = ((v > vmx) | nan) ? v : vmx;
+  }
+  for (int l = 0; l < kWidth; ++l) {
+    mn = min_nan(mn, vmn[l]);
+    mx = max_nan(mx, vmx[l]);
+  }
+  for (; i < n; ++i) {
+    mn = min_nan(mn, p[i]);
+    mx = max_nan(mx, p[i]);
+  }
+}
+
+// `m` input elements as acc_t: the input itself, or converted (exactly) into `buf`.
+template <typename scalar_t, typename acc_t>
+ACTCORE_INLINE const acc_t* as_acc(const scalar_t* p, int64_t m, acc_t* buf) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return p;
+  } else {
+    for (int64_t k = 0; k < m; ++k) buf[k] = static_cast<acc_t>(p[k]);
+    return buf;
+  }
+}
+
+// floor(t) clamped to [0, levels], NaN -> 0 (the reference's floor_, clamp_, nan_to_num_):
+// below 0 or NaN gives 0, at least `levels` gives levels (an integer), and in between
+// floor is the truncation of a non-negative value. No rounding happens here.
+template <typename acc_t>
+ACTCORE_INLINE uint8_t to_code(acc_t t, acc_t levels) {
+  const acc_t c = t >= levels ? levels : (t >= acc_t(0) ? t : acc_t(0));
+  return static_cast<uint8_t>(static_cast<int32_t>(c));
+}
+
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef uint8_t u8x4 __attribute__((vector_size(4)));
+template <typename acc_t>
+struct Lanes;  // per 32-byte vector of acc_t: its index, int32 and uint8 vectors
+template <>
+struct Lanes<float> {
+  using U = u32x8;
+  using I = i32x8;
+  using B = u8x8;
+};
+template <>
+struct Lanes<double> {
+  using U = u32x4;
+  using I = i32x4;
+  using B = u8x4;
+};
+
+// Codes of m elements: floor((v - lo) / step + u) with u the noise of the element's flat
+// index (`stochastic`; the m indices lie in one block of 2**32, `index` the low word of
+// the first, `key` the block's key) or 0.5. The same operations as the scalar tail, a
+// vector of acc_t at a time.
+template <typename acc_t, bool stochastic>
+ACTCORE_INLINE void codes_of(const acc_t* v, int64_t m, acc_t lo, acc_t step, acc_t levels,
+                             uint32_t index, uint32_t key, uint8_t* codes) {
+  using V = typename Vec<acc_t>::type;
+  using U = typename Lanes<acc_t>::U;
+  using I = typename Lanes<acc_t>::I;
+  using B = typename Lanes<acc_t>::B;
+  constexpr int kWidth = sizeof(V) / sizeof(acc_t);
+  U lane;
+  for (int l = 0; l < kWidth; ++l) lane[l] = static_cast<uint32_t>(l);
+  const V vlo = V{} + lo;
+  const V vstep = V{} + step;
+  const V vlevels = V{} + levels;
+  const V zero = V{};
+  int64_t k = 0;
+  for (; k + kWidth <= m; k += kWidth) {
+    V x;
+    std::memcpy(&x, v + k, sizeof(V));
+    V t = (x - vlo) / vstep;
+    if constexpr (stochastic) {
+      U h = (U{} + (index + static_cast<uint32_t>(k))) + lane;
+      h ^= key;
+      h ^= h >> 16;
+      h *= kMultA;
+      h ^= h >> 15;
+      h *= kMultB;
+      h ^= h >> 15;
+      const I top = __builtin_convertvector(h >> 8, I);  // below 2**24: exact
+      t = t + __builtin_convertvector(top, V) * acc_t(kTwoPowMinus24);
+    } else {
+      t = t + acc_t(0.5);
+    }
+    const V c = t >= vlevels ? vlevels : (t >= zero ? t : zero);
+    const B b = __builtin_convertvector(__builtin_convertvector(c, I), B);
+    std::memcpy(codes + k, &b, sizeof(B));
+  }
+  for (; k < m; ++k) {
+    acc_t u = acc_t(0.5);
+    if constexpr (stochastic) {
+      const uint32_t h = mix32((index + static_cast<uint32_t>(k)) ^ key);
+      u = static_cast<acc_t>(static_cast<int32_t>(h >> 8)) * acc_t(kTwoPowMinus24);
+    }
+    codes[k] = to_code((v[k] - lo) / step + u, levels);
+  }
+}
+
+// ---------------------------------------------------------------- quantize
+struct QuantizeArgs {
+  const void* x;  // rows x cols, contiguous
+  uint8_t* payload;
+  uint16_t* lo;
+  uint16_t* step;
+  int64_t rows;
+  int64_t cols;
+  int64_t group_size;
+  int bits;
+  bool stochastic;
+  int64_t seed;
+};
+
+// Groups [g0, g1) of quantization.quantize_reference, operation for operation.
+template <typename scalar_t>
+ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, int64_t g0, int64_t g1) {
+  using acc_t = typename Acc<scalar_t>::type;
+  alignas(64) acc_t buf[kChunk];
+  alignas(64) uint8_t codes[kChunk];
+  const auto* x = static_cast<const scalar_t*>(a.x);
+  const int64_t groups_per_row = (a.cols + a.group_size - 1) / a.group_size;
+  const int64_t row_bytes = (a.cols + 7) / 8 * a.bits;
+  const acc_t levels = static_cast<acc_t>((1 << a.bits) - 1);
+  const acc_t inf = std::numeric_limits<acc_t>::infinity();
+  int64_t key_hi = 0;
+  uint32_t key = block_key(a.seed, 0);
+  for (int64_t gid = g0; gid < g1; ++gid) {
+    const int64_t row = gid / groups_per_row;
+    const int64_t col0 = (gid - row * groups_per_row) * a.group_size;
+    const int64_t n = std::min(a.group_size, a.cols - col0);
+    const scalar_t* xg = x + row * a.cols + col0;
+
+    acc_t mn = inf;
+    acc_t mx = -inf;
+    const acc_t* held = nullptr;  // the converted group, when it fits one chunk
+    for (int64_t off = 0; off < n; off += kChunk) {
+      const int64_t m = std::min(kChunk, n - off);
+      held = as_acc<scalar_t, acc_t>(xg + off, m, buf);
+      min_max(held, m, mn, mx);
+    }
+    const uint16_t lo_bits = bf16_down(mn);
+    const acc_t lo = from_bf16<acc_t>(lo_bits);
+    const uint16_t step_bits = bf16_up((mx - lo) / levels);
+    const acc_t step = from_bf16<acc_t>(step_bits);
+    a.lo[gid] = lo_bits;
+    a.step[gid] = step_bits;
+
+    uint8_t* out = a.payload + row * row_bytes + col0 / 8 * a.bits;
+    for (int64_t off = 0; off < n; off += kChunk) {
+      const int64_t m = std::min(kChunk, n - off);
+      const int64_t m8 = (m + 7) / 8 * 8;
+      if (step == acc_t(0)) {  // a constant group: every code is 0
+        std::memset(codes, 0, static_cast<size_t>(m8));
+      } else {
+        const acc_t* v = n <= kChunk ? held : as_acc<scalar_t, acc_t>(xg + off, m, buf);
+        if (a.stochastic) {
+          const int64_t first = row * a.cols + col0 + off;
+          for (int64_t done = 0; done < m;) {  // split where the noise key changes
+            const int64_t index = first + done;
+            const int64_t hi = index >> 32;
+            const int64_t len = std::min(m - done, ((hi + 1) << 32) - index);
+            if (hi != key_hi) {
+              key_hi = hi;
+              key = block_key(a.seed, hi);
+            }
+            codes_of<acc_t, true>(v + done, len, lo, step, levels,
+                                  static_cast<uint32_t>(index), key, codes + done);
+            done += len;
+          }
+        } else {
+          codes_of<acc_t, false>(v, m, lo, step, levels, 0, 0, codes);
+        }
+        std::memset(codes + m, 0, static_cast<size_t>(m8 - m));  // past the row's end
+      }
+      pack_blocks(codes, m8 / 8, a.bits, out + off / 8 * a.bits);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- dequantize
+struct DequantizeArgs {
+  const uint8_t* payload;
+  const uint16_t* lo;
+  const uint16_t* step;
+  void* out;
+  int64_t rows;
+  int64_t cols;
+  int64_t group_size;
+  int bits;
+};
+
+// code * step + lo in acc_t (two roundings), then to the output dtype (nearest even).
+template <typename scalar_t>
+ACTCORE_INLINE void dequantize_groups(const DequantizeArgs& a, int64_t g0, int64_t g1) {
+  using acc_t = typename Acc<scalar_t>::type;
+  alignas(64) uint8_t codes[kChunk];
+  auto* out = static_cast<scalar_t*>(a.out);
+  const int64_t groups_per_row = (a.cols + a.group_size - 1) / a.group_size;
+  const int64_t row_bytes = (a.cols + 7) / 8 * a.bits;
+  for (int64_t gid = g0; gid < g1; ++gid) {
+    const int64_t row = gid / groups_per_row;
+    const int64_t col0 = (gid - row * groups_per_row) * a.group_size;
+    const int64_t n = std::min(a.group_size, a.cols - col0);
+    const acc_t lo = from_bf16<acc_t>(a.lo[gid]);
+    const acc_t step = from_bf16<acc_t>(a.step[gid]);
+    const uint8_t* in = a.payload + row * row_bytes + col0 / 8 * a.bits;
+    scalar_t* o = out + row * a.cols + col0;
+    for (int64_t off = 0; off < n; off += kChunk) {
+      const int64_t m = std::min(kChunk, n - off);
+      unpack_blocks(in + off / 8 * a.bits, (m + 7) / 8, a.bits, codes);
+      for (int64_t k = 0; k < m; ++k) {
+        const acc_t value = static_cast<acc_t>(codes[k]) * step + lo;
+        o[off + k] = static_cast<scalar_t>(value);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- element-wise ops
+void pack_range(const uint8_t* values, uint8_t* packed, int64_t n, int bits, int64_t b0,
+                int64_t b1) {
+  int64_t full_end = std::min(b1, n / 8);
+  if (b0 < full_end) pack_blocks(values + 8 * b0, full_end - b0, bits, packed + b0 * bits);
+  if (full_end < b1 && b1 * 8 > n) {  // the last, partial block: zero padding
+    uint8_t tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const int64_t b = std::max(full_end, b0);
+    std::memcpy(tail, values + 8 * b, static_cast<size_t>(n - 8 * b));
+    pack_blocks(tail, 1, bits, packed + b * bits);
+  }
+}
+
+void unpack_range(const uint8_t* packed, uint8_t* values, int64_t n, int bits, int64_t b0,
+                  int64_t b1) {
+  int64_t full_end = std::min(b1, n / 8);
+  if (b0 < full_end) unpack_blocks(packed + b0 * bits, full_end - b0, bits, values + 8 * b0);
+  if (full_end < b1 && b1 * 8 > n) {
+    uint8_t tail[8];
+    const int64_t b = std::max(full_end, b0);
+    unpack_blocks(packed + b * bits, 1, bits, tail);
+    std::memcpy(values + 8 * b, tail, static_cast<size_t>(n - 8 * b));
+  }
+}
+
+void hash_range(const int64_t* index, float* out, int64_t seed, int64_t i0, int64_t i1) {
+  int64_t key_hi = 0;
+  uint32_t key = block_key(seed, 0);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t hi = index[i] >> 32;
+    if (hi != key_hi) {
+      key_hi = hi;
+      key = block_key(seed, hi);
+    }
+    const uint32_t h = mix32(static_cast<uint32_t>(index[i]) ^ key);
+    out[i] = static_cast<float>(static_cast<int32_t>(h >> 8)) * kTwoPowMinus24;
+  }
+}
+
+// ---------------------------------------------------------------- ISA variants
+#define ACTCORE_VARIANTS(prefix, attr)                                                        \
+  template <typename scalar_t>                                                                \
+  attr void prefix##quantize(const QuantizeArgs& a, int64_t g0, int64_t g1) {                 \
+    quantize_groups<scalar_t>(a, g0, g1);                                                     \
+  }                                                                                           \
+  template <typename scalar_t>                                                                \
+  attr void prefix##dequantize(const DequantizeArgs& a, int64_t g0, int64_t g1) {             \
+    dequantize_groups<scalar_t>(a, g0, g1);                                                   \
+  }
+
+ACTCORE_VARIANTS(base_, )
+#if ACTCORE_X86
+ACTCORE_VARIANTS(avx2_, ACTCORE_AVX2)
+#endif
+
+template <typename scalar_t>
+void quantize_parallel(const QuantizeArgs& a) {
+  const int64_t groups = a.rows * ((a.cols + a.group_size - 1) / a.group_size);
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / a.group_size);
+  const bool avx2 = has_avx2();
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+#if ACTCORE_X86
+    if (avx2) return avx2_quantize<scalar_t>(a, g0, g1);
+#endif
+    base_quantize<scalar_t>(a, g0, g1);
+  });
+}
+
+template <typename scalar_t>
+void dequantize_parallel(const DequantizeArgs& a) {
+  const int64_t groups = a.rows * ((a.cols + a.group_size - 1) / a.group_size);
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / a.group_size);
+  const bool avx2 = has_avx2();
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+#if ACTCORE_X86
+    if (avx2) return avx2_dequantize<scalar_t>(a, g0, g1);
+#endif
+    base_dequantize<scalar_t>(a, g0, g1);
+  });
+}
+
+// ---------------------------------------------------------------- argument checks
+void check_cpu(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor, got one on ",
+              t.device());
+}
+
+void check_float(at::ScalarType type, const char* op) {
+  TORCH_CHECK(type == at::kFloat || type == at::kHalf || type == at::kBFloat16 ||
+                  type == at::kDouble,
+              op, " takes float32, float16, bfloat16 or float64, got ", type);
+}
+
+void check_bits(int64_t bits, const char* op) {
+  TORCH_CHECK(bits >= 1 && bits <= 8, op, ": bits must be in 1..8, got ", bits);
+}
+
+void check_group_size(int64_t group_size, const char* op) {
+  TORCH_CHECK(group_size > 0 && group_size % 8 == 0, op,
+              ": group_size must be a positive multiple of 8, got ", group_size);
+}
+
+// quantization.rows_and_cols: rows = samples (dim 0) when per_sample, else one row.
+std::pair<int64_t, int64_t> rows_and_cols(at::IntArrayRef shape, bool per_sample) {
+  if (shape.empty()) return {1, 1};
+  int64_t rest = 1;
+  for (size_t i = 1; i < shape.size(); ++i) rest *= shape[i];
+  if (per_sample) return {shape[0], rest};
+  return {1, shape[0] * rest};
+}
+
+void check_2d(const at::Tensor& t, int64_t rows, int64_t cols, const char* op,
+              const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, op, ": ", name,
+              " has shape ", t.sizes(), ", expected [", rows, ", ", cols, "]");
+}
+
+uint16_t* bf16_ptr(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_data_ptr()); }
+const uint16_t* bf16_ptr(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.const_data_ptr());
+}
+
+// ---------------------------------------------------------------- the ops
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x, int64_t bits,
+                                                            int64_t group_size, bool stochastic,
+                                                            int64_t seed, bool per_sample) {
+  constexpr const char* op = "actcore::quantize";
+  check_cpu(x, op, "x");
+  check_float(x.scalar_type(), op);
+  check_bits(bits, op);
+  check_group_size(group_size, op);
+  const auto [rows, cols] = rows_and_cols(x.sizes(), per_sample);
+  const int64_t groups = (cols + group_size - 1) / group_size;
+  at::Tensor payload = at::empty({rows, (cols + 7) / 8 * bits}, x.options().dtype(at::kByte));
+  at::Tensor lo = at::empty({rows, groups}, x.options().dtype(at::kBFloat16));
+  at::Tensor step = at::empty({rows, groups}, x.options().dtype(at::kBFloat16));
+  if (rows * cols == 0) return {payload, lo, step};
+  const at::Tensor xc = x.contiguous();  // strided inputs: one contiguous copy
+  QuantizeArgs args{};
+  args.x = xc.const_data_ptr();
+  args.payload = payload.mutable_data_ptr<uint8_t>();
+  args.lo = bf16_ptr(lo);
+  args.step = bf16_ptr(step);
+  args.rows = rows;
+  args.cols = cols;
+  args.group_size = group_size;
+  args.bits = static_cast<int>(bits);
+  args.stochastic = stochastic;
+  args.seed = seed;
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      quantize_parallel<float>(args);
+      break;
+    case at::kHalf:
+      quantize_parallel<c10::Half>(args);
+      break;
+    case at::kBFloat16:
+      quantize_parallel<c10::BFloat16>(args);
+      break;
+    default:
+      quantize_parallel<double>(args);
+      break;
+  }
+  return {payload, lo, step};
+}
+
+at::Tensor dequantize_cpu(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& step,
+                          int64_t bits, int64_t group_size, at::IntArrayRef shape,
+                          at::ScalarType dtype, bool per_sample) {
+  constexpr const char* op = "actcore::dequantize";
+  check_cpu(payload, op, "payload");
+  check_cpu(lo, op, "lo");
+  check_cpu(step, op, "step");
+  check_float(dtype, op);
+  check_bits(bits, op);
+  check_group_size(group_size, op);
+  TORCH_CHECK(payload.scalar_type() == at::kByte, op, ": payload must be uint8, got ",
+              payload.scalar_type());
+  TORCH_CHECK(lo.scalar_type() == at::kBFloat16 && step.scalar_type() == at::kBFloat16, op,
+              ": lo and step must be bfloat16, got ", lo.scalar_type(), " and ",
+              step.scalar_type());
+  at::Tensor out = at::empty(shape, payload.options().dtype(dtype));
+  const auto [rows, cols] = rows_and_cols(shape, per_sample);
+  if (rows * cols == 0) return out;
+  const int64_t groups = (cols + group_size - 1) / group_size;
+  check_2d(payload, rows, (cols + 7) / 8 * bits, op, "payload");
+  check_2d(lo, rows, groups, op, "lo");
+  check_2d(step, rows, groups, op, "step");
+  const at::Tensor pc = payload.contiguous();
+  const at::Tensor lc = lo.contiguous();
+  const at::Tensor sc = step.contiguous();
+  DequantizeArgs args{};
+  args.payload = pc.const_data_ptr<uint8_t>();
+  args.lo = bf16_ptr(lc);
+  args.step = bf16_ptr(sc);
+  args.out = out.mutable_data_ptr();
+  args.rows = rows;
+  args.cols = cols;
+  args.group_size = group_size;
+  args.bits = static_cast<int>(bits);
+  switch (dtype) {
+    case at::kFloat:
+      dequantize_parallel<float>(args);
+      break;
+    case at::kHalf:
+      dequantize_parallel<c10::Half>(args);
+      break;
+    case at::kBFloat16:
+      dequantize_parallel<c10::BFloat16>(args);
+      break;
+    default:
+      dequantize_parallel<double>(args);
+      break;
+  }
+  return out;
+}
+
+at::Tensor pack_bits_cpu(const at::Tensor& values, int64_t bits) {
+  constexpr const char* op = "actcore::pack_bits";
+  check_cpu(values, op, "values");
+  check_bits(bits, op);
+  TORCH_CHECK(values.scalar_type() == at::kByte, op, " takes uint8 values, got ",
+              values.scalar_type());
+  const int64_t n = values.numel();
+  at::Tensor packed = at::empty({(n + 7) / 8 * bits}, values.options());
+  if (n == 0) return packed;
+  const at::Tensor vc = values.contiguous();  // row-major order, as reshape(-1)
+  const uint8_t* in = vc.const_data_ptr<uint8_t>();
+  uint8_t* out = packed.mutable_data_ptr<uint8_t>();
+  const int b = static_cast<int>(bits);
+  at::parallel_for(0, (n + 7) / 8, kGrainElements / 8,
+                   [&](int64_t b0, int64_t b1) { pack_range(in, out, n, b, b0, b1); });
+  return packed;
+}
+
+at::Tensor unpack_bits_cpu(const at::Tensor& packed, int64_t bits, int64_t numel) {
+  constexpr const char* op = "actcore::unpack_bits";
+  check_cpu(packed, op, "packed");
+  check_bits(bits, op);
+  TORCH_CHECK(packed.scalar_type() == at::kByte, op, " takes a uint8 payload, got ",
+              packed.scalar_type());
+  TORCH_CHECK(packed.numel() % bits == 0, op, ": a payload of ", bits,
+              "-bit values holds a multiple of ", bits, " bytes, got ", packed.numel());
+  TORCH_CHECK(numel >= 0 && (numel + 7) / 8 <= packed.numel() / bits, op, ": a payload of ",
+              packed.numel(), " bytes holds at most ", packed.numel() / bits * 8, " values of ",
+              bits, " bits, asked for ", numel);
+  at::Tensor values = at::empty({numel}, packed.options());
+  if (numel == 0) return values;
+  const at::Tensor pc = packed.contiguous();
+  const uint8_t* in = pc.const_data_ptr<uint8_t>();
+  uint8_t* out = values.mutable_data_ptr<uint8_t>();
+  const int b = static_cast<int>(bits);
+  at::parallel_for(0, (numel + 7) / 8, kGrainElements / 8,
+                   [&](int64_t b0, int64_t b1) { unpack_range(in, out, numel, b, b0, b1); });
+  return values;
+}
+
+at::Tensor hash_uniform_cpu(const at::Tensor& index, int64_t seed) {
+  constexpr const char* op = "actcore::hash_uniform";
+  check_cpu(index, op, "index");
+  TORCH_CHECK(index.scalar_type() == at::kLong, op, " takes int64 indices, got ",
+              index.scalar_type());
+  if (index.numel() == 0) return at::empty(index.sizes(), index.options().dtype(at::kFloat));
+  // The layout of empty_like (what the fake kernel promises); a non-dense input is first
+  // copied into that layout, so input and output walk the same memory order.
+  at::Tensor out = at::empty_like(index, index.options().dtype(at::kFloat));
+  at::Tensor src = index;
+  if (src.strides() != out.strides()) {
+    src = at::empty_like(index);
+    src.copy_(index);
+  }
+  TORCH_CHECK(src.strides() == out.strides() && out.is_non_overlapping_and_dense(), op,
+              ": internal error, layouts of index ", src.strides(), " and output ",
+              out.strides(), " differ");
+  const int64_t* in = src.const_data_ptr<int64_t>();
+  float* o = out.mutable_data_ptr<float>();
+  at::parallel_for(0, index.numel(), kGrainElements,
+                   [&](int64_t i0, int64_t i1) { hash_range(in, o, seed, i0, i1); });
+  return out;
+}
+
+std::mutex registration_mutex;
+std::unique_ptr<torch::Library> registration;
+
+void register_kernels() {
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "actcore",
+                                              c10::DispatchKey::CPU, __FILE__, __LINE__);
+  lib->impl("quantize", TORCH_FN(quantize_cpu));
+  lib->impl("dequantize", TORCH_FN(dequantize_cpu));
+  lib->impl("pack_bits", TORCH_FN(pack_bits_cpu));
+  lib->impl("unpack_bits", TORCH_FN(unpack_bits_cpu));
+  lib->impl("hash_uniform", TORCH_FN(hash_uniform_cpu));
+  registration = std::move(lib);  // on an exception, `lib` undoes what it registered
+}
+
+}  // namespace
+}  // namespace actcore_cpu
+
+extern "C" {
+
+__attribute__((visibility("default"))) int actcore_cpu_abi_version() {
+  return actcore_cpu::kAbiVersion;
+}
+
+// Registers the CPU kernels of the actcore::* ops (later calls do nothing while they are).
+// Returns 0, or 1 with the reason in `message` (NUL-terminated, at most `size` bytes).
+__attribute__((visibility("default"))) int actcore_cpu_register(char* message, size_t size) {
+  try {
+    const std::lock_guard<std::mutex> lock(actcore_cpu::registration_mutex);
+    if (!actcore_cpu::registration) actcore_cpu::register_kernels();
+    return 0;
+  } catch (const std::exception& e) {
+    if (message != nullptr && size > 0) std::snprintf(message, size, "%s", e.what());
+    return 1;
+  }
+}
+
+// Removes the registration (the ops fall back to their reference bodies on CPU).
+__attribute__((visibility("default"))) void actcore_cpu_unregister() {
+  const std::lock_guard<std::mutex> lock(actcore_cpu::registration_mutex);
+  actcore_cpu::registration.reset();
+}
+
+// 1 when the hot loops run their AVX2 variant on this CPU.
+__attribute__((visibility("default"))) int actcore_cpu_uses_avx2() {
+  return actcore_cpu::has_avx2() ? 1 : 0;
+}
+
+}  // extern "C"

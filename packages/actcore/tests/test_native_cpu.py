@@ -1,0 +1,536 @@
+"""Tests of actcore's C++ CPU kernels (csrc/cpu_kernels.cpp).
+
+* bit-exact (atol=0) against the pure-PyTorch reference functions, called directly, over
+  shapes, layouts, dtypes, bits, group sizes, rounding modes and non-finite values;
+* ``torch.library.opcheck`` of every op on CPU with the kernels registered;
+* at least 3x faster than the reference on 16M fp32 elements (measured: 20-80x);
+* the loader: a failing toolchain warns once and keeps the reference, the environment
+  switch, a forked child reuses the parent's kernels, concurrent first builds (one of them
+  killed) all end with working kernels;
+* test_ops.py once more, in the other mode than the default (the reference when the CPU
+  kernels are on by default), so both paths pass the same suite.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from actcore import ops
+from actcore.native import build, cli, loader
+from actcore.ops import bitpack, noise, quantization
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+GROUP_SIZES = (8, 24, 256, 512)
+MODES = ((True, True), (False, True), (True, False), (False, False))  # stochastic, per_sample
+SEED = 0x5EED_1234_5678
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+_TURNED_OFF = loader.disabled() or os.environ.get("ACTCORE_NATIVE_CPU", "").lower() in loader._OFF
+
+
+@pytest.fixture(scope="module")
+def native_cpu() -> Iterator[None]:
+    """The CPU kernels registered for the module's tests (restored to the default after)."""
+    if _TURNED_OFF:
+        pytest.skip("CPU kernels turned off by ACTCORE_NATIVE / ACTCORE_NATIVE_CPU")
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler here to build the CPU kernels with")
+    with loader.cpu_kernels(True) as active:
+        if not active:  # a compiler is here: a failure is a bug
+            pytest.fail(f"the CPU kernels did not load: {loader.cpu_status()['error']}")
+        yield
+
+
+def _assert_same(native: torch.Tensor, reference: torch.Tensor, what: str) -> None:
+    """torch.equal (atol=0), with NaN equal to NaN (NaN bit patterns are not in the contract)."""
+    assert native.dtype == reference.dtype, what
+    assert native.shape == reference.shape, what
+    a, b = native, reference
+    if a.is_floating_point():
+        nan_a, nan_b = a.isnan(), b.isnan()
+        assert torch.equal(nan_a, nan_b), f"{what}: NaN positions differ"
+        a, b = a[~nan_a], b[~nan_b]
+    if not torch.equal(a, b):
+        bad = (a != b).nonzero()[:5].flatten().tolist()
+        raise AssertionError(f"{what}: differs at {bad}: {a.flatten()[bad]} vs {b.flatten()[bad]}")
+
+
+def _inputs(dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) cases: shapes, layouts, value ranges, special values."""
+    g = torch.Generator().manual_seed(1234)
+
+    def randn(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype)
+
+    info = torch.finfo(dtype)
+    special = randn(4, 128)
+    values = [0.0, -0.0, 1.0, -1.0, info.tiny, -info.tiny, info.max, -info.max, info.eps]
+    values += [info.tiny / 4, -info.tiny / 4]  # subnormals
+    special[0, : len(values)] = torch.tensor(values, dtype=torch.float64).to(dtype)
+    special[1, 5] = float("nan")
+    special[2, 7] = float("inf")
+    special[3, 9] = float("-inf")
+    cases = [
+        ("empty", randn(0, 5)),
+        ("empty-cols", randn(4, 0)),
+        ("scalar", randn(())),
+        ("1d-odd", randn(37)),
+        ("2d", randn(3, 70)),
+        ("3d-odd", randn(3, 5, 37)),
+        ("wide", randn(2, 3000, scale=10, shift=3)),
+        ("tall", randn(257, 9)),
+        ("tiny-values", randn(4, 100, scale=1e-30 if dtype == torch.float64 else 1e-3)),
+        ("constant", torch.full((3, 50), 0.1, dtype=dtype)),
+        ("zeros", torch.zeros(2, 40, dtype=dtype)),
+        ("negative-zeros", torch.full((2, 40), -0.0, dtype=dtype)),
+        ("transposed", randn(40, 6).t()),
+        ("sliced", randn(6, 90)[:, ::3]),
+        ("offset", randn(7, 33)[1:]),
+        ("channels-last", randn(2, 3, 5, 7).to(memory_format=torch.channels_last)),
+        ("special", special),
+        ("all-nan", torch.full((2, 24), float("nan"), dtype=dtype)),
+    ]
+    if dtype == torch.float64:
+        cases.append(("beyond-fp32", randn(3, 64, scale=1e300)))
+        cases.append(("below-fp32", randn(3, 64, scale=1e-300)))
+    if dtype == torch.float32:
+        cases.append(("overflowing-range", torch.tensor([[3e38, -3e38] * 8], dtype=dtype)))
+    return cases
+
+
+def _check_round_trip(
+    x: torch.Tensor, bits: int, group_size: int, stochastic: bool, per_sample: bool, name: str
+) -> None:
+    what = f"{name} {tuple(x.shape)} {x.dtype} bits={bits} G={group_size} "
+    what += f"stochastic={stochastic} per_sample={per_sample}"
+    args = (bits, group_size, stochastic, SEED if stochastic else 0, per_sample)
+    p, lo, st = torch.ops.actcore.quantize.default(x, *args)
+    rp, rlo, rst = quantization.quantize_reference(x, *args)
+    _assert_same(p, rp, f"payload of {what}")
+    _assert_same(lo, rlo, f"lo of {what}")
+    _assert_same(st, rst, f"step of {what}")
+    shape = list(x.shape)
+    y = torch.ops.actcore.dequantize.default(
+        p, lo, st, bits, group_size, shape, x.dtype, per_sample
+    )
+    ry = quantization.dequantize_reference(
+        rp, rlo, rst, bits, group_size, shape, x.dtype, per_sample
+    )
+    _assert_same(y, ry, f"dequantize of {what}")
+    assert y.is_contiguous()
+
+
+# ------------------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_and_dequantize_are_bit_exact(native_cpu, dtype):
+    for name, x in _inputs(dtype):
+        for bits in range(1, 9):
+            for group_size in GROUP_SIZES:
+                for stochastic, per_sample in MODES:
+                    _check_round_trip(x, bits, group_size, stochastic, per_sample, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bit_exact_past_the_reference_block_size(native_cpu, dtype):
+    """More than 64K elements: rows cut into column tiles, and many rows per tile."""
+    g = torch.Generator().manual_seed(7)
+    cases = {
+        "long-row": torch.randn(2, 70_001, generator=g).to(dtype),
+        "flat": torch.randn(200_003, generator=g).to(dtype),
+        "many-rows": torch.randn(300, 3, 11, 11, generator=g).to(dtype),
+        "channels-last": torch.randn(4, 16, 40, 40, generator=g)
+        .to(dtype)
+        .to(memory_format=torch.channels_last),
+    }
+    combos = [(1, 8, True, True), (3, 256, False, False), (4, 512, True, False)]
+    combos.append((8, 24, False, True))  # (the reference takes seconds on these sizes)
+    for name, x in cases.items():
+        for bits, group_size, stochastic, per_sample in combos:
+            _check_round_trip(x, bits, group_size, stochastic, per_sample, name)
+
+
+def test_group_larger_than_the_kernel_chunk(native_cpu):
+    """Groups of more than 1024 elements are read in chunks by the kernel."""
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(3))
+    x[1, 4000] = float("inf")
+    for group_size in (1024, 1032, 4096, 8192):
+        for bits in (2, 5):
+            _check_round_trip(x, bits, group_size, True, True, "big-groups")
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_and_unpack_bits_are_bit_exact(native_cpu, bits):
+    g = torch.Generator().manual_seed(bits)
+    for n in (0, 1, 7, 8, 9, 63, 64, 1000, 4097, 70_001):
+        values = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)  # high bits too
+        packed = torch.ops.actcore.pack_bits.default(values, bits)
+        _assert_same(packed, bitpack.pack_bits_reference(values, bits), f"pack n={n}")
+        for numel in {n, max(0, n - 3)}:
+            out = torch.ops.actcore.unpack_bits.default(packed, bits, numel)
+            ref = bitpack.unpack_bits_reference(packed, bits, numel)
+            _assert_same(out, ref, f"unpack n={n} numel={numel}")
+    strided = torch.randint(0, 2**bits, (30, 17), generator=g, dtype=torch.uint8)
+    _assert_same(
+        torch.ops.actcore.pack_bits.default(strided.t(), bits),
+        bitpack.pack_bits_reference(strided.t(), bits),
+        "pack of a transposed tensor",
+    )
+    odd = torch.randint(0, 2**bits, (1003,), generator=g, dtype=torch.uint8)
+    for start in (3, 5):  # a storage offset: blocks of 8 start unaligned
+        _assert_same(
+            torch.ops.actcore.pack_bits.default(odd[start:], bits),
+            bitpack.pack_bits_reference(odd[start:].clone(), bits),
+            f"pack at offset {start}",
+        )
+
+
+def test_masks_round_trip(native_cpu):
+    mask = torch.rand(3, 1001) > 0.5
+    packed = ops.pack_mask(mask)
+    _assert_same(
+        packed, bitpack.pack_bits_reference(mask.reshape(-1).view(torch.uint8), 1), "packed mask"
+    )
+    assert torch.equal(ops.unpack_mask(packed, mask.shape), mask)
+
+
+def test_hash_uniform_is_bit_exact_on_64bit_indices(native_cpu):
+    big = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 5, 2**40 + 3, 2**62, 2**63 - 1]
+    big += [-1, -2, -(2**31), -(2**32) - 7, -(2**63)]
+    index = torch.tensor(big, dtype=torch.int64)
+    for seed in (0, 1, 0x1234_5678_9ABC, 2**63 - 1):
+        out = torch.ops.actcore.hash_uniform.default(index, seed)
+        _assert_same(out, noise.uniform_noise(index, seed), f"hash seed={seed}")
+    layouts = {
+        "across-2**32": torch.arange(2**32 - 500, 2**32 + 500).view(20, 50),
+        "transposed": torch.arange(1000).view(20, 50).t(),
+        "sliced": torch.arange(3000).view(30, 100)[:, ::7],
+        "large": torch.arange(-(2**20), 2**20),
+    }
+    for name, idx in layouts.items():
+        out = torch.ops.actcore.hash_uniform.default(idx, 77)
+        _assert_same(out, noise.uniform_noise(idx, 77), f"hash of a {name} index")
+        assert out.stride() == torch.empty_like(idx, dtype=torch.float32).stride(), name
+    empty = torch.ops.actcore.hash_uniform.default(torch.empty(0, 3, dtype=torch.int64), 1)
+    assert empty.shape == (0, 3) and empty.dtype == torch.float32
+
+
+def test_noise_of_quantize_uses_64bit_element_indices(native_cpu):
+    """The codes' noise is the hash of the flat element index (row * cols + col)."""
+    x = torch.randn(5, 333)
+    payload, lo, step = torch.ops.actcore.quantize.default(x, 3, 24, True, SEED, True)
+    codes = torch.ops.actcore.unpack_bits.default(payload.reshape(-1), 3, 5 * 336)
+    codes = codes.view(5, 336)[:, :333]
+    cols = torch.arange(333) // 24
+    lo_c, st_c = lo[:, cols].float(), step[:, cols].float()
+    u = noise.uniform_noise(torch.arange(5 * 333).view(5, 333), SEED)
+    v = ((x - lo_c) / st_c).masked_fill(st_c == 0, 0.0)
+    expected = (v + u).floor().clamp(0, 7).nan_to_num(0).to(torch.uint8)
+    _assert_same(codes, expected, "codes")
+
+
+def test_the_front_end_runs_the_cpu_kernels(native_cpu):
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    assert all(has_kernel(f"actcore::{op}", "CPU") for op in loader.OPS)
+    x = torch.randn(8, 1000, dtype=torch.bfloat16)
+    packed = ops.quantize(x, 3, seed=99)
+    reference = quantization.quantize_reference(x, 3, 256, True, 99, True)
+    _assert_same(packed.payload, reference[0], "payload")
+    assert ops.dequantize(packed).dtype == torch.bfloat16
+    info = loader.cpu_status()
+    assert info["active"] and info["library"] and info["built"]
+
+
+def test_errors_are_clear(native_cpu):
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match=r"bits must be in 1\.\.8, got 9"):
+        torch.ops.actcore.quantize.default(x, 9, 8, False, 0, True)
+    with pytest.raises(RuntimeError, match="multiple of 8, got 12"):
+        torch.ops.actcore.quantize.default(x, 2, 12, False, 0, True)
+    with pytest.raises(RuntimeError, match="takes float32, float16, bfloat16 or float64"):
+        torch.ops.actcore.quantize.default(x.int(), 2, 8, False, 0, True)
+    payload, lo, step = torch.ops.actcore.quantize.default(x, 2, 8, False, 0, True)
+    with pytest.raises(RuntimeError, match="payload has shape"):
+        torch.ops.actcore.dequantize.default(
+            payload[:, :1], lo, step, 2, 8, [4, 8], torch.float32, True
+        )
+    with pytest.raises(RuntimeError, match="holds at most"):
+        torch.ops.actcore.unpack_bits.default(torch.zeros(2, dtype=torch.uint8), 2, 9)
+
+
+# ------------------------------------------------------------------------------ opcheck
+def _opcheck_cases() -> list[tuple[object, tuple]]:
+    x = torch.randn(3, 70)
+    payload, lo, step = torch.ops.actcore.quantize(x, 3, 32, True, 5, True)
+    values = torch.randint(0, 8, (37,), dtype=torch.uint8)
+    nchw = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    return [
+        (torch.ops.actcore.quantize.default, (x, 3, 32, True, 5, True)),
+        (torch.ops.actcore.quantize.default, (x.half().t(), 2, 8, False, 0, False)),
+        (torch.ops.actcore.quantize.default, (x.double()[:, ::2], 8, 512, True, 9, True)),
+        (torch.ops.actcore.quantize.default, (nchw.bfloat16(), 1, 24, True, 2, True)),
+        (torch.ops.actcore.dequantize.default, (payload, lo, step, 3, 32, [3, 70], x.dtype, True)),
+        (torch.ops.actcore.pack_bits.default, (values, 3)),
+        (torch.ops.actcore.unpack_bits.default, (torch.ops.actcore.pack_bits(values, 3), 3, 37)),
+        (torch.ops.actcore.hash_uniform.default, (torch.arange(100), 17)),
+        (torch.ops.actcore.hash_uniform.default, (torch.arange(100).view(10, 10).t(), 3)),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_opcheck_with_the_cpu_kernels(native_cpu, case):
+    op, args = _opcheck_cases()[case]
+    torch.library.opcheck(op, args)
+
+
+# ------------------------------------------------------------------------------ speed
+def _best_of(fn, repeats: int) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_at_least_3x_faster_than_the_reference_on_16m_fp32(native_cpu):
+    """quantize + dequantize of 16M fp32 elements, 4 bits: measured 20-80x on 2 busy cores.
+
+    The bound is far below what was measured, as the machine is shared; the reference runs
+    once (it takes seconds), the kernels best of three.
+    """
+    x = torch.randn(16, 1 << 20, generator=torch.Generator().manual_seed(0))
+    args = (4, 256, True, 11, True)
+    shape = list(x.shape)
+
+    def native() -> None:
+        p, lo, st = torch.ops.actcore.quantize.default(x, *args)
+        torch.ops.actcore.dequantize.default(p, lo, st, 4, 256, shape, x.dtype, True)
+
+    def reference() -> None:
+        p, lo, st = quantization.quantize_reference(x, *args)
+        quantization.dequantize_reference(p, lo, st, 4, 256, shape, x.dtype, True)
+
+    t_native = _best_of(native, 3)
+    t_reference = _best_of(reference, 1)
+    assert t_reference >= 3 * t_native, f"native {t_native:.3f} s, reference {t_reference:.3f} s"
+
+
+# ------------------------------------------------------------------------------ loader
+@pytest.fixture
+def fresh_cpu_state(monkeypatch, tmp_path):
+    """No CPU kernels registered, a loader that has not tried yet, an empty build cache."""
+    before = loader.set_cpu_kernels(False, warn=False)
+    saved = loader._CPU_STATE
+    monkeypatch.setattr(loader, "_CPU_STATE", loader._CpuState())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("ACTCORE_NATIVE", raising=False)
+    monkeypatch.delenv("ACTCORE_NATIVE_CPU", raising=False)
+    yield loader
+    loader.set_cpu_kernels(False, warn=False)
+    monkeypatch.setattr(loader, "_CPU_STATE", saved)
+    loader.set_cpu_kernels(before, warn=False)
+
+
+def test_failing_compiler_warns_once_and_the_reference_path_works(monkeypatch, fresh_cpu_state):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    x = torch.randn(3, 40)
+    with pytest.warns(loader.NativeUnavailableWarning, match="CPU kernels unavailable"):
+        packed = ops.quantize(x, 4, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second attempt, no second warning
+        again = ops.quantize(x, 4, seed=3)
+        y = ops.dequantize(again)
+    assert torch.equal(packed.payload, again.payload)
+    reference = quantization.quantize_reference(x, 4, 256, True, 3, True)
+    assert torch.equal(packed.payload, reference[0])
+    assert y.shape == x.shape and torch.all((y - x).abs() <= 1)
+    info = fresh_cpu_state.cpu_status()
+    assert not info["active"] and info["attempted"] and "actcore_native_cpu" in info["error"]
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("actcore::quantize", "CPU")
+
+
+def test_turned_off_by_environment(monkeypatch, fresh_cpu_state):
+    monkeypatch.setenv("ACTCORE_NATIVE_CPU", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops.quantize(torch.randn(2, 16), 2, seed=1)
+    info = fresh_cpu_state.cpu_status()
+    assert not info["active"] and "ACTCORE_NATIVE_CPU" in info["error"]
+    assert not info["built"]  # nothing was compiled
+    monkeypatch.setenv("ACTCORE_NATIVE_CPU", "1")
+    monkeypatch.setenv("ACTCORE_NATIVE", "off")
+    assert fresh_cpu_state.cpu_disabled()
+
+
+def test_switching_in_process_changes_the_dispatch(native_cpu):
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    x = torch.randn(4, 300)
+    native = ops.quantize(x, 2, seed=5)
+    with loader.cpu_kernels(False) as active:
+        assert not active and not has_kernel("actcore::quantize", "CPU")
+        reference = ops.quantize(x, 2, seed=5)
+    assert loader.cpu_active() and has_kernel("actcore::quantize", "CPU")
+    for a, b in zip(native.tensors(), reference.tensors(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _child_round_trip(queue) -> None:  # runs in a forked process
+    from actcore.native import build as child_build
+
+    torch.set_num_threads(1)  # as DataLoader workers do
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a forked child must not build")
+
+    child_build.build_cpu = no_build
+    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(1))
+    p = ops.quantize(x, 3, seed=2).payload
+    ref = quantization.quantize_reference(x, 3, 256, True, 2, True)[0]
+    queue.put((loader.cpu_active(), torch.equal(p, ref)))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no fork")
+def test_forked_child_reuses_the_kernels(native_cpu):
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_round_trip, args=(queue,))
+    child.start()
+    result = queue.get(timeout=120)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert result == (True, True)
+
+
+_FIRST_USE = textwrap.dedent(
+    """
+    import sys, warnings, torch
+    warnings.simplefilter("error")
+    from actcore import ops
+    from actcore.native import loader
+    from actcore.ops import quantization
+    x = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    p = ops.quantize(x, 3, seed=7).payload
+    ref = quantization.quantize_reference(x, 3, 256, True, 7, True)[0]
+    assert loader.cpu_active(), loader.cpu_status()
+    assert torch.equal(p, ref)
+    print("ok", loader.cpu_status()["library"])
+    """
+)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="needs a C++ compiler")
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_concurrent_first_builds_survive_a_killed_builder(tmp_path):
+    """Processes build into one empty cache at once; the first builder is killed mid-build.
+
+    The others wait on the build directory's lock (released by the kernel when its holder
+    dies), then build or load, and end with working kernels and no warning.
+    """
+    cache = tmp_path / "cache"
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "MAX_JOBS": "1"}
+    env.pop("ACTCORE_NATIVE", None)
+    env.pop("ACTCORE_NATIVE_CPU", None)
+    cmd = [sys.executable, "-c", _FIRST_USE]
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    first = start()
+    deadline = time.monotonic() + 300
+    while not list(cache.glob("actcore/native/cpu-*/build.ninja")):  # it is compiling
+        assert first.poll() is None, first.communicate()
+        assert time.monotonic() < deadline, "the first process never started its build"
+        time.sleep(0.2)
+    others = [start(), start()]
+    time.sleep(2)
+    os.killpg(first.pid, signal.SIGKILL)  # the builder and its compiler
+    first.wait()
+    results = [p.communicate(timeout=900) for p in others]
+    for proc, (out, err) in zip(others, results, strict=True):
+        assert proc.returncode == 0, out + err
+        assert out.startswith("ok ")
+    libraries = {out.split()[1] for out, _ in results}
+    assert len(libraries) == 1 and str(tmp_path) in libraries.pop()
+
+
+def test_status_reports_the_cpu_kernels(native_cpu, capsys):
+    assert cli.main(["status"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU kernels" in out and "active" in out
+    info = loader.status()
+    assert info["cpu"]["active"] and info["cpu"]["build_dir"]
+
+
+def test_plan_flags_keep_exactness():
+    plan = build.plan_cpu_build()
+    if sys.platform != "win32":
+        assert "-ffp-contract=off" in plan.cxx_flags
+        assert not any("fast-math" in f and "no" not in f for f in plan.cxx_flags)
+        assert not any(f.startswith("-march") for f in plan.cxx_flags)
+    assert plan.sources[0].name == "cpu_kernels.cpp" and plan.sources[0].is_file()
+    assert plan.build_dir.name.startswith("cpu-")
+
+
+def test_cpu_source_ships_as_package_data():
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert "csrc/*.cpp" in text
+    assert (Path(build.__file__).parent / "csrc" / "cpu_kernels.cpp").is_file()
+
+
+# ------------------------------------------------------------------------------ test_ops.py
+# test_ops.py runs in this process's default mode (the CPU kernels when they are on by
+# default). Its tests run here once more in the other mode, so the reference (and the
+# kernels) pass the same suite. The functions are loaded from the file, not imported.
+_OTHER_MODE_NATIVE = loader.cpu_disabled()
+
+
+def _load_test_ops():
+    spec = importlib.util.spec_from_file_location(
+        "_actcore_test_ops_other_mode", Path(__file__).with_name("test_ops.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_test_ops = _load_test_ops()
+_mode = "native" if _OTHER_MODE_NATIVE else "reference"
+for _name in dir(_test_ops):
+    if _name.startswith("test_"):
+        globals()[f"test_ops_{_mode}_{_name[5:]}"] = getattr(_test_ops, _name)
+
+
+@pytest.fixture(autouse=True)
+def _mode_for_test_ops(request) -> Iterator[None]:
+    """For the tests of test_ops.py collected here: switch the CPU kernels to the other mode."""
+    if not request.node.name.startswith("test_ops_"):
+        yield
+        return
+    if _OTHER_MODE_NATIVE and _TURNED_OFF:
+        pytest.skip("CPU kernels turned off by ACTCORE_NATIVE / ACTCORE_NATIVE_CPU")
+    if _OTHER_MODE_NATIVE and not HAS_COMPILER:
+        pytest.skip("no C++ compiler to build the CPU kernels with")
+    with loader.cpu_kernels(_OTHER_MODE_NATIVE) as active:
+        assert active == _OTHER_MODE_NATIVE
+        yield
