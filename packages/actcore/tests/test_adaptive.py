@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import actcore
-from actcore.adaptive import AdaptiveBits, _LayerStats
+from actcore.adaptive import AdaptiveBits, ScoredPerSampleQuantize, _LayerStats
 from actcore.compressors import PerSampleQuantize, Quantize, sample_range_weights
 from actcore.config import config
 
@@ -190,3 +190,157 @@ def test_steps_counted_when_first_layer_saves_nothing() -> None:
     _train(model, 5)
     assert scheme.steps == 5
     assert not scheme.layers["0"].plan and scheme.layers["3"].plan and scheme.layers["4"].plan
+
+
+# --- per-dataset-sample gradient statistics (set_sample_index) ---------------------------
+
+
+def _bits_by_sample(comp: PerSampleQuantize, scores: torch.Tensor) -> torch.Tensor:
+    """Bits each sample of the batch gets from ``comp`` (samples ranked by ``scores``)."""
+    order = scores.argsort(descending=True)
+    bits = torch.empty(scores.shape[0], dtype=torch.long)
+    bits[order] = torch.tensor([b for b, c in comp.counts for _ in range(c)])
+    return bits
+
+
+def _train_indexed(
+    model: nn.Module, steps: int, x: torch.Tensor, index: torch.Tensor, loss_scale: torch.Tensor
+) -> None:
+    """Steps whose output gradient of sample ``i`` is scaled by ``loss_scale[i]``."""
+    for _ in range(steps):
+        model.act_adaptive.set_sample_index(index)
+        model.zero_grad()
+        (model(x) * loss_scale[:, None]).square().sum().backward()
+
+
+def test_sample_index_gives_more_bits_to_large_gradient_samples() -> None:
+    torch.manual_seed(0)  # no batch norm: each sample's output gradients stay its own
+    model = actcore.convert(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4)), "L3")
+    scheme = model.act_adaptive
+    scheme.interval = 4
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 64, generator=g)  # samples of similar range: w alone barely differs
+    index = torch.arange(100, 116)
+    loss_scale = torch.ones(16)
+    loss_scale[3] = 30.0  # dataset sample 103: much larger gradients
+    loss_scale[7] = 0.01  # dataset sample 107: much smaller ones
+    _train_indexed(model, 9, x, index, loss_scale)
+    table = scheme.layers["0"].grads
+    assert table is not None and table.shape[0] >= 116 and table[:100].isnan().all()
+    assert table[103] > 100 * table[100] > 100 * table[107] > 0
+    assert scheme.average_bits() <= scheme.budget + 1e-9
+    # a later batch in another order: the plan follows the dataset sample, not the position
+    perm = torch.randperm(16, generator=g)
+    scheme.set_sample_index(index[perm])
+    comp = scheme.compressor(model[0], "conv", x[perm], 2, None)
+    assert isinstance(comp, ScoredPerSampleQuantize)
+    bits = _bits_by_sample(comp, comp.scores)
+    big, small = int((perm == 3).nonzero()), int((perm == 7).nonzero())
+    assert int(comp.scores.argmax()) == big and int(comp.scores.argmin()) == small
+    assert bits[big] > bits[small]
+    assert bits[big] == bits.max() and bits[small] == bits.min()
+    # packed in the planned widths: each sample's error is within its own step
+    xp = x[perm]
+    y = comp.unpack(*comp.pack(xp))
+    step = (xp.amax(1) - xp.amin(1)) * 1.02 / (2.0**bits - 1)
+    assert y.shape == xp.shape and ((y - xp).abs().amax(1) <= step).all()
+
+
+def test_sample_index_unseen_samples_get_batch_mean() -> None:
+    scheme = AdaptiveBits(num_samples=8)
+    stats = _LayerStats()
+    scheme.set_sample_index(torch.tensor([0, 1, 2, 3]))
+    assert torch.equal(scheme._sample_scale(stats, "a", 4, torch.device("cpu")), torch.ones(4))
+    stats.grads = torch.tensor([4.0, float("nan"), 2.0, float("nan"), 0, 0, 0, 0])
+    scale = scheme._sample_scale(stats, "a", 4, torch.device("cpu"))
+    assert torch.allclose(scale, torch.tensor([4.0, 3.0, 2.0, 3.0]) / 3)
+
+
+def test_sample_index_state_dict_round_trip_keeps_table() -> None:
+    model = actcore.convert(_model(), level="L3")
+    model.act_adaptive.interval = 3
+    x, index = _heterogeneous_batch(), torch.arange(16).flip(0)
+    _train_indexed(model, 4, x, index, torch.linspace(0.1, 3, 16))
+    buffer = io.BytesIO()
+    torch.save(model.act_adaptive.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = actcore.convert(_model(), level="L3")
+    resumed.act_adaptive.load_state_dict(torch.load(buffer))
+    a, b = model.act_adaptive, resumed.act_adaptive
+    for name, st in a.layers.items():
+        assert st.grads is not None and st.grads.isfinite().all()
+        torch.testing.assert_close(st.grads, b.layers[name].grads, rtol=0, atol=0)
+    assert {n: s.plan for n, s in a.layers.items()} == {n: s.plan for n, s in b.layers.items()}
+    a.set_sample_index(index)
+    b.set_sample_index(index)
+    ca = a.compressor(model[0], "conv", x, 2, None)
+    cb = b.compressor(resumed[0], "conv", x, 2, None)
+    assert ca.counts == cb.counts and torch.equal(ca.scores, cb.scores)
+
+
+def test_without_sample_index_behaviour_unchanged() -> None:
+    """No index: the same plans, statistics and compressors as a scheme without the option."""
+    plain = actcore.convert(_model(), level="L3")
+    opted = actcore.convert(_model(), level="L3")
+    opted.act_adaptive = AdaptiveBits(opted, num_samples=1000, sample_momentum=0.5)
+    for model in (plain, opted):
+        model.act_adaptive.interval = 3
+        torch.manual_seed(7)  # the same stochastic rounding in both runs
+        actcore.ops.reset_seed_stream()
+        _train(model, 7)
+    a, b = plain.act_adaptive, opted.act_adaptive
+    assert all(st.grads is None for st in b.layers.values())
+    for name, st in a.layers.items():
+        other = b.layers[name]
+        assert st.plan == other.plan and st.plan
+        assert torch.equal(st.sens, other.sens) and torch.equal(st.profile, other.profile)
+    x = _heterogeneous_batch()
+    ca, cb = a.compressor(plain[0], "conv", x, 2, None), b.compressor(opted[0], "conv", x, 2, None)
+    assert type(cb) is PerSampleQuantize and ca == cb
+    # switching the index off again goes back to plain compressors
+    b.set_sample_index(torch.arange(16))
+    assert isinstance(b.compressor(opted[0], "conv", x, 2, None), ScoredPerSampleQuantize)
+    b.set_sample_index(None)
+    assert type(b.compressor(opted[0], "conv", x, 2, None)) is PerSampleQuantize
+
+
+def test_sample_index_validation() -> None:
+    model = actcore.convert(_model(), level="L3")
+    scheme = model.act_adaptive
+    with pytest.raises(TypeError, match=r"torch\.float32"):
+        scheme.set_sample_index(torch.arange(16.0))
+    with pytest.raises(TypeError, match=r"torch\.bool"):
+        scheme.set_sample_index(torch.ones(16, dtype=torch.bool))
+    with pytest.raises(TypeError, match="list"):
+        scheme.set_sample_index(list(range(16)))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="negative entry -3"):
+        scheme.set_sample_index(torch.tensor([0, 1, -3]))
+    with pytest.raises(ValueError, match=r"shape \(4, 4\)"):
+        scheme.set_sample_index(torch.arange(16).view(4, 4))
+    bounded = AdaptiveBits(num_samples=10)
+    with pytest.raises(ValueError, match="12 out of range for num_samples=10"):
+        bounded.set_sample_index(torch.tensor([1, 12]))
+    with pytest.raises(ValueError, match="num_samples"):
+        AdaptiveBits(num_samples=0)
+    scheme.set_sample_index(torch.arange(3))
+    with pytest.raises(ValueError, match="3 entries but layer '0' got a batch of 16"):
+        model(_heterogeneous_batch())
+
+
+def test_sample_index_no_host_reads_between_replans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an index set beforehand, a step reads no tensor values back."""
+    model = actcore.convert(_model(), level="L3")
+    model.act_adaptive.interval = 3
+    x, index = _heterogeneous_batch(), torch.arange(16)
+    _train_indexed(model, 4, x, index, torch.ones(16))
+    model.act_adaptive.set_sample_index(index + 16)  # unseen samples: the table grows
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host read of a tensor value during a step")
+
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    model.zero_grad()
+    model(x).square().mean().backward()
+    monkeypatch.undo()
+    assert model.act_adaptive.layers["0"].grads[16:32].isfinite().all()

@@ -25,6 +25,15 @@ optimal). Ranking happens on the device and the counts per bits are host data, s
 synchronises with the host; only ``replan`` (once per ``interval``) reads statistics back.
 Tensors stored as a ReLU's mask plus nonzeros (zero-value) get one bit width per layer.
 
+Per-dataset-sample gradients (opt-in, ActNN's ``use_gradient``). Output gradients differ
+from sample to sample too. After :meth:`AdaptiveBits.set_sample_index` (the batch's dataset
+indices, before each forward), every layer keeps a table of each dataset sample's latest
+squared output-gradient norm ``g`` (written in backward by tensor ops, no host reads), and
+a batch's sample ``i`` is weighted by ``r_i = g_i / mean_batch(g)`` (samples never seen
+get the batch mean, so ``r = 1`` before any is seen): ``V_li = s_l * r_i * w_li / ...``.
+Ranks then order ``r_i w_li`` instead of ``w_li``. The tables cost one float per dataset
+sample and layer. Without an index nothing of this runs.
+
 The statistics and the plan are in :meth:`AdaptiveBits.state_dict`, so a resumed run keeps
 its plan.
 """
@@ -40,7 +49,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compressors import Compressor, PerSampleQuantize, Quantize, ZeroValue, sample_range_weights
+from .compressors import (
+    Compressor,
+    PerSampleQuantize,
+    Quantize,
+    Tensors,
+    ZeroValue,
+    sample_range_weights,
+)
 from .config import config
 
 
@@ -54,6 +70,48 @@ class _LayerStats:
     zero_value: bool = False
     plan: list[int] = field(default_factory=list)  # bits by rank (non-increasing)
     calls: int = 0  # tensors chosen for so far (one per step in a plain training loop)
+    grads: torch.Tensor | None = None  # [samples]: squared output-grad norm (NaN: unseen)
+
+
+@dataclass(frozen=True, eq=False)
+class ScoredPerSampleQuantize(PerSampleQuantize):
+    """:class:`PerSampleQuantize` ranking samples by given ``scores`` (largest first).
+
+    Packs into the same layout, so :meth:`PerSampleQuantize.unpack` reads it back.
+    """
+
+    scores: torch.Tensor | None = None  # [N], on x's device
+
+    name = "scored_per_sample_quantize"
+
+    def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
+        if self.scores is None or self.scores.shape != (x.shape[0],):
+            raise ValueError(f"scores do not match a batch of {x.shape[0]}")
+        if sum(c for _, c in self.counts) != x.shape[0]:
+            raise ValueError(f"counts {self.counts} do not cover a batch of {x.shape[0]}")
+        order = torch.argsort(self.scores, descending=True)
+        ranked = x.detach().index_select(0, order)
+        tensors: list[torch.Tensor] = [order.to(torch.int32)]
+        metas = []
+        start = 0
+        for bits, count in self.counts:
+            if count:
+                part, meta = Quantize(bits, self.group_size, True, self.stochastic).pack(
+                    ranked[start : start + count]
+                )
+                tensors.extend(part)
+                metas.append(meta)
+                start += count
+        return tuple(tensors), tuple(metas)
+
+    def key(self) -> tuple:
+        return (*super().key(), id(self.scores))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ScoredPerSampleQuantize) and self.key() == other.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key())
 
 
 def _ema(old: torch.Tensor | None, new: torch.Tensor, momentum: float) -> torch.Tensor:
@@ -74,6 +132,11 @@ class AdaptiveBits:
     ``AdaptiveBits(model, budget=2.0)`` attaches itself to every Q-layer of ``model`` that
     saves conv/linear or normalization inputs; ``convert`` does so at levels with
     ``adaptive`` (L3, L3.1, L4, L5), keeping it as ``model.act_adaptive``.
+
+    Opt-in per-dataset-sample gradients: call :meth:`set_sample_index` with each batch's
+    dataset indices before its forward. ``num_samples`` fixes the tables' size (else they
+    grow to the largest index seen); ``sample_momentum`` averages a sample's norms over
+    visits (0: keep the latest).
     """
 
     def __init__(
@@ -85,6 +148,8 @@ class AdaptiveBits:
         momentum: float = 0.9,
         min_bits: int = 1,
         max_bits: int = 8,
+        num_samples: int | None = None,
+        sample_momentum: float = 0.0,
     ) -> None:
         if not 1 <= min_bits <= budget <= max_bits <= 8:
             raise ValueError(
@@ -93,6 +158,14 @@ class AdaptiveBits:
             )
         if interval < 1:
             raise ValueError(f"interval must be a positive int, got {interval}")
+        if num_samples is not None and num_samples < 1:
+            raise ValueError(f"num_samples must be a positive int or None, got {num_samples}")
+        if not 0.0 <= sample_momentum < 1.0:
+            raise ValueError(f"sample_momentum must be in [0, 1), got {sample_momentum}")
+        self.num_samples, self.sample_momentum = num_samples, float(sample_momentum)
+        self._index: torch.Tensor | None = None  # the batch's dataset indices (host or device)
+        self._index_on: dict[torch.device, torch.Tensor] = {}  # _index on each device
+        self._index_end = 0  # 1 + the largest index set so far
         self.budget, self.interval, self.momentum = float(budget), interval, momentum
         self.min_bits, self.max_bits = min_bits, max_bits
         self.steps = 0
@@ -119,6 +192,68 @@ class AdaptiveBits:
             if isinstance(getattr(module, "act_scheme", None), AdaptiveBits):
                 module.act_scheme = None
 
+    def set_sample_index(self, index: torch.Tensor | None) -> None:
+        """Dataset indices (1-D integer tensor) of the next forward's batch; None: off.
+
+        Validating reads the values: free for a host tensor (as a DataLoader yields), one
+        synchronisation for a device tensor. Without ``num_samples`` the tables grow.
+        """
+        self._index_on = {}
+        if index is None:
+            self._index = None
+            return
+        if not isinstance(index, torch.Tensor):
+            raise TypeError(f"sample index must be a torch.Tensor, got {type(index).__name__}")
+        if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+            raise TypeError(f"sample index must have an integer dtype, got {index.dtype}")
+        if index.dim() != 1:
+            raise ValueError(f"sample index must be 1-D, got shape {tuple(index.shape)}")
+        if index.numel():
+            low, high = int(index.min()), int(index.max())
+            if low < 0:
+                raise ValueError(f"sample index has a negative entry {low}")
+            if self.num_samples is not None and high >= self.num_samples:
+                raise ValueError(
+                    f"sample index {high} out of range for num_samples={self.num_samples}"
+                )
+            self._index_end = max(self._index_end, high + 1)
+        self._index = index.detach().long()
+
+    def _device_index(self, device: torch.device) -> torch.Tensor | None:
+        """The batch's indices on ``device`` (copied once per device and batch)."""
+        if self._index is None:
+            return None
+        cached = self._index_on.get(device)
+        if cached is None:
+            cached = self._index_on[device] = self._index.to(device, non_blocking=True)
+        return cached
+
+    def _sample_scale(
+        self, stats: _LayerStats, name: str, n: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """``r`` of the batch's samples from the layer's table (None without an index)."""
+        index = self._device_index(device)
+        if index is None:
+            return None
+        if index.shape[0] != n:
+            raise ValueError(
+                f"sample index has {index.shape[0]} entries but layer {name!r} got a batch of {n}"
+            )
+        size = self.num_samples or self._index_end
+        table = stats.grads
+        if table is None or table.shape[0] < size:
+            old = 0 if table is None else table.shape[0]
+            length = size if self.num_samples else max(size, 2 * old)  # grow geometrically
+            grown = torch.full((length,), math.nan, device=device)
+            if table is not None:
+                grown[:old] = table.to(device)
+            table = grown
+        stats.grads = table = table.to(device)
+        seen = table.index_select(0, index)
+        filled = torch.where(seen.isnan(), seen.nanmean(), seen)  # all NaN when none seen
+        mean = filled.mean()
+        return torch.where(mean > 0, filled / mean, torch.ones_like(filled))
+
     # --- the engine's hooks ----------------------------------------------------------------
 
     def compressor(
@@ -137,7 +272,10 @@ class AdaptiveBits:
         gs = config.group_size
         n = x.shape[0]
         with torch.no_grad():
+            scale = self._sample_scale(stats, name, n, x.device)
             weights = sample_range_weights(x, gs)
+            if scale is not None:
+                weights = weights * scale
             stats.profile = _ema(stats.profile, weights.sort(descending=True).values, self.momentum)
             if mask is not None:
                 stats.zero_value = True
@@ -149,7 +287,10 @@ class AdaptiveBits:
         if mask is not None:
             layer_bits = self._layer_bits(stats, bits)
             return ZeroValue(mask, Quantize(layer_bits, gs, per_sample=False))
-        return PerSampleQuantize(self._counts(stats, n, bits), gs, config.stochastic)
+        counts = self._counts(stats, n, bits)
+        if scale is not None:
+            return ScoredPerSampleQuantize(counts, gs, config.stochastic, scores=weights)
+        return PerSampleQuantize(counts, gs, config.stochastic)
 
     def observe(
         self, layer: Any, grad: torch.Tensor, kernel: int, channel_dim: int, norm: bool
@@ -164,8 +305,21 @@ class AdaptiveBits:
         positions = max(1, per_sample // grad.shape[channel_dim])
         fan = 1.0 / per_sample if norm else kernel / positions
         with torch.no_grad():
-            sens = grad.detach().float().square().sum() * (fan / n)
-            stats.sens = _ema(stats.sens, sens, self.momentum)
+            square = grad.detach().float().square()
+            stats.sens = _ema(stats.sens, square.sum() * (fan / n), self.momentum)
+            index, table = self._device_index(grad.device), stats.grads
+            if (
+                index is not None
+                and table is not None
+                and index.shape[0] == n
+                and table.device == grad.device
+            ):  # the batch's samples' squared gradient norms into the layer's table
+                norms = square.reshape(n, -1).sum(1)
+                old = table.index_select(0, index)
+                m = self.sample_momentum
+                table.index_copy_(
+                    0, index, torch.where(old.isnan(), norms, old * m + norms * (1 - m))
+                )
 
     # --- the plan ---------------------------------------------------------------------------
 
@@ -256,6 +410,7 @@ class AdaptiveBits:
                 "elems": st.elems,
                 "zero_value": st.zero_value,
                 "plan": torch.tensor(st.plan, dtype=torch.int8),
+                "grads": st.grads,
             }
         return {
             "budget": self.budget,
@@ -264,6 +419,8 @@ class AdaptiveBits:
             "min_bits": self.min_bits,
             "max_bits": self.max_bits,
             "steps": self.steps,
+            "num_samples": self.num_samples,
+            "sample_momentum": self.sample_momentum,
             "layers": layers,
         }
 
@@ -272,9 +429,14 @@ class AdaptiveBits:
         self.momentum = float(state["momentum"])
         self.min_bits, self.max_bits = int(state["min_bits"]), int(state["max_bits"])
         self.steps = int(state["steps"])
+        self.num_samples = state.get("num_samples", self.num_samples)
+        self.sample_momentum = float(state.get("sample_momentum", self.sample_momentum))
         for name, entry in state["layers"].items():
             st = self.layers.setdefault(name, _LayerStats())
             st.sens, st.profile, st.elems = entry["sens"], entry["profile"], entry["elems"]
             st.zero_value = bool(entry["zero_value"])
             st.calls = self.steps
             st.plan = [int(b) for b in entry["plan"].tolist()]
+            st.grads = entry.get("grads")
+            if st.grads is not None:
+                self._index_end = max(self._index_end, st.grads.shape[0])
