@@ -23,6 +23,7 @@
 #include <utility>
 
 #include "actcore_native.h"
+#include "op_checks.h"
 
 namespace actcore_native {
 namespace {
@@ -48,34 +49,11 @@ void check_cuda(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got one on ", t.device());
 }
 
-void check_bits(int64_t bits, const char* op) {
-  TORCH_CHECK(bits >= 1 && bits <= 8, op, ": bits must be in 1..8, got ", bits);
-}
-
-void check_group_size(int64_t group_size, const char* op) {
-  TORCH_CHECK(group_size > 0 && group_size % 8 == 0, op,
-              ": group_size must be a positive multiple of 8, got ", group_size);
-}
-
-// quantization.rows_and_cols: rows = samples (dim 0) when per_sample, else one row.
-std::pair<int64_t, int64_t> rows_and_cols(at::IntArrayRef shape, bool per_sample) {
-  if (shape.empty()) return {1, 1};
-  int64_t rest = 1;
-  for (size_t i = 1; i < shape.size(); ++i) rest *= shape[i];
-  if (per_sample) return {shape[0], rest};
-  return {1, shape[0] * rest};
-}
-
-void check_2d(const at::Tensor& t, int64_t rows, int64_t cols, const char* op,
-              const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, op, ": ", name,
-              " has shape ", t.sizes(), ", expected [", rows, ", ", cols, "]");
-}
-
-uint16_t* bf16_ptr(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_data_ptr()); }
-const uint16_t* bf16_ptr(const at::Tensor& t) {
-  return reinterpret_cast<const uint16_t*>(t.const_data_ptr());
-}
+using actcore_checks::bf16_ptr;
+using actcore_checks::check_2d;
+using actcore_checks::check_bits;
+using actcore_checks::check_group_size;
+using actcore_checks::rows_and_cols;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, int64_t bits,
                                                              int64_t group_size,

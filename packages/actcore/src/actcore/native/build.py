@@ -45,7 +45,7 @@ import torch
 
 EXTENSION_NAME = "actcore_native"
 SOURCES = ("kernels.cu", "ops.cpp")
-HEADERS = ("actcore_native.h",)
+HEADERS = ("actcore_native.h", "op_checks.h")
 ABI_VERSION = 1  # csrc/actcore_native.h: kAbiVersion
 DEFAULT_ARCH = "9.0"
 # IEEE behaviour the bit-exactness relies on (see csrc/kernels.cu): no fused multiply-add,
@@ -54,6 +54,7 @@ CUDA_FLAGS = ("-O3", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-s
 CXX_FLAGS = ("-O2",)
 CPU_EXTENSION_NAME = "actcore_native_cpu"
 CPU_SOURCES = ("cpu_kernels.cpp",)
+CPU_HEADERS = ("op_checks.h",)
 CPU_ABI_VERSION = 1  # csrc/cpu_kernels.cpp: kAbiVersion
 # Bit-exactness with the reference: no fused multiply-add (GCC contracts by default), no
 # fast-math. The hot loops pick their ISA (baseline or AVX2) at run time: no -march flag,
@@ -117,7 +118,7 @@ def source_dir() -> Path:
 
 def cpu_source_dir() -> Path:
     """The directory holding the CPU kernels' source (``cpu_kernels.cpp``)."""
-    return _find_sources(CPU_SOURCES)
+    return _find_sources(CPU_SOURCES + CPU_HEADERS)
 
 
 # ------------------------------------------------------------------------------ toolkit
@@ -436,7 +437,7 @@ def plan_cpu_build(build_dir: str | os.PathLike | None = None) -> CpuBuildPlan:
     src = cpu_source_dir()
     flags = cpu_cxx_flags()
     digest = hashlib.sha256()
-    for name in CPU_SOURCES:
+    for name in CPU_SOURCES + CPU_HEADERS:
         digest.update(name.encode() + b"\0" + (src / name).read_bytes() + b"\0")
     compiler = os.environ.get("CXX", "c++")
     for part in (*flags, compiler, platform.machine(), torch.__version__, sys.version):
