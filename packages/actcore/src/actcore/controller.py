@@ -34,7 +34,7 @@ from .policies import HookLevel, Policy, hook_level, make_policy
 
 __all__ = ["Controller", "swap_activations"]
 
-_ENGINE_OPTIONS = ("min_numel", "group_size")
+_ENGINE_OPTIONS = ("min_numel", "group_size", "exact_ops")
 
 
 def swap_activations(model: nn.Module, bits: int | None) -> dict[str, str]:
@@ -64,7 +64,8 @@ class Controller:
             save a packed ``fewbit_bits``-bit derivative index (an integer tensor, which the
             hooks keep as it is) instead of their input; Threshold/Hardsigmoid/shrinks get
             an exact 1-bit mask. Forward outputs do not change. ``fewbit_swapped`` lists them.
-        **overrides: ``min_numel``, ``group_size``, and the policy's options (``bits``,
+        **overrides: ``min_numel``, ``group_size``, ``exact_ops`` (see
+            :func:`actcore.compress_saved_tensors`), and the policy's options (``bits``,
             ``avg_bits``, ``adapt_interval``, ``error_bound``, ``max_passes``, ``swap``, ...).
     """
 

@@ -14,6 +14,10 @@ What the pack hook does with each saved tensor:
   parameter/buffer storage) are kept as they are;
 * integer tensors, tensors below ``min_numel`` elements and non-strided tensors are kept;
 * ``bool`` tensors (dropout masks, comparisons) are packed losslessly at 1 bit;
+* tensors saved by ops whose backward compares or divides saved values (``amax``,
+  ``maximum``, ``scatter_reduce(reduce="amax")``, inf-norms, ``prod``... see
+  :mod:`actcore.exact_ops`) are kept exact, as quantizing them would give NaN or zero
+  gradients;
 * floating tensors (fp32/fp16/bf16/fp64) go through the policy's compressor (k-bit stochastic
   quantization, optionally swapped to CPU). The output of a ReLU additionally keeps its
   nonzero mask at 1 bit, so ReLU's backward sees exactly the same mask (no biased gradient);
@@ -47,6 +51,7 @@ from torch import Tensor, nn
 
 from . import engine, memory, ops
 from .compressors import Compressor, Quantize, Swap
+from .exact_ops import ExactOps
 
 __all__ = [
     "FLOATS",
@@ -242,6 +247,7 @@ class SavedTensorCompressor:
         model: nn.Module | None = None,
         min_numel: int = 1024,
         group_size: int = 256,
+        exact_ops: bool = True,
     ) -> None:
         from .policies import as_policy
 
@@ -263,6 +269,8 @@ class SavedTensorCompressor:
         self._calls: dict[str, int] = {}
         self._global = 0
         self._ctx: Any = None
+        self._exact: ExactOps | None = None
+        self.exact_ops = bool(exact_ops)
         if model is not None:
             self.attach(model)
 
@@ -329,12 +337,20 @@ class SavedTensorCompressor:
         self._global = 0
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._ctx.__enter__()
+        if self.exact_ops:
+            self._exact = ExactOps()
+            self._exact.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        mode, self._exact = self._exact, None
         ctx, self._ctx = self._ctx, None
-        if ctx is not None:
-            ctx.__exit__(*exc)
+        try:
+            if mode is not None:
+                mode.__exit__(*exc)
+        finally:
+            if ctx is not None:
+                ctx.__exit__(*exc)
 
     @property
     def active(self) -> bool:
@@ -366,6 +382,8 @@ class SavedTensorCompressor:
         if _is_param_like(t, self._param_ptrs):
             return self._passthrough(t, note=False)
         if engine.is_stashed(t):  # a Q-layer packed it already (or needs it exact)
+            return self._passthrough(t, note=True)
+        if self._exact is not None and self._exact.depth:  # e.g. amax compares x == result
             return self._passthrough(t, note=True)
         if not self.policy.compresses:
             return self._passthrough(t, note=True)
@@ -475,6 +493,7 @@ def compress_saved_tensors(
     model: nn.Module | None = None,
     min_numel: int = 1024,
     group_size: int = 256,
+    exact_ops: bool = True,
 ) -> SavedTensorCompressor:
     """Compress the tensors autograd saves inside a ``with`` block; no model needed.
 
@@ -485,5 +504,10 @@ def compress_saved_tensors(
             modules (adaptive policies need :class:`actcore.Controller` to adapt).
         min_numel: tensors with fewer elements are kept as they are.
         group_size: quantization group size (a positive multiple of 8).
+        exact_ops: keep the tensors saved by ops that compare or divide saved values exact
+            (see :mod:`actcore.exact_ops`); ``False`` quantizes them too (their gradients
+            are then wrong: only for measuring what that costs).
     """
-    return SavedTensorCompressor(policy, model=model, min_numel=min_numel, group_size=group_size)
+    return SavedTensorCompressor(
+        policy, model=model, min_numel=min_numel, group_size=group_size, exact_ops=exact_ops
+    )
