@@ -20,7 +20,7 @@ from mmengine.runner import Runner
 from torch import nn
 from torch.utils.data import Dataset
 
-import act_mm  # noqa: F401 - registers the Q-layers and the hook
+import act_mm  # registers the Q-layers and the hook
 import actcore
 from actcore.layers import QLayer
 
@@ -133,6 +133,49 @@ def test_runner_trains_converted_model(tmp_path):
     assert report.level == "L3" and len(report.converted) == 8
     log_text = "".join(p.read_text() for p in tmp_path.rglob("*.log"))
     assert f"ACTConvertHook: {len(report.converted)} modules at level L3" in log_text
+
+
+class SyncBNNet(TinyNet):
+    """TinyNet whose norms are SyncBN, as MoCo's config builds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn1 = MODELS.build(dict(type="QSyncBN", num_features=8))
+        self.bn2 = nn.SyncBatchNorm(16)
+
+
+def test_single_process_runner_reverts_syncbn_and_the_hook_compresses_it_again(tmp_path):
+    from mmengine.model.utils import _BatchNormXd
+
+    record = RecordHook()
+    model = SyncBNNet()
+    runner = _runner(tmp_path, model, [dict(type="ACTConvertHook", level="L3"), record])
+    runner.train()
+    types = record.seen["types"]
+    # mmengine swapped both SyncBNs for _BatchNormXd; convert made those Q-layers again
+    for name in ("bn1", "bn2"):
+        assert types[name] is act_mm.QBatchNormXd
+        assert issubclass(types[name], _BatchNormXd)
+    assert runner.model.act_report.converted["bn1"] == "QBatchNormXd"
+    with actcore.memory.track(runner.model.bn2) as mem:
+        out = runner.model.bn2(torch.randn(4, 16, 8, 8, requires_grad=True))
+    assert 0 < mem.retained_bytes < 4 * 16 * 8 * 8 * 4 / 4  # compressed, not the fp32 input
+    del out
+
+
+def test_register_q_layer_refuses_a_second_mapping_for_xd():
+    from mmengine.model.utils import _BatchNormXd
+
+    from actcore.layers import QBatchNormBase, register_q_layer
+
+    class OtherXd(QBatchNormBase, _BatchNormXd):
+        pass
+
+    register_q_layer(_BatchNormXd, act_mm.QBatchNormXd)  # again: a no-op
+    with pytest.raises(ValueError, match="_BatchNormXd already converts to QBatchNormXd"):
+        register_q_layer(_BatchNormXd, OtherXd)
+    with pytest.raises(TypeError, match="QBN2d must subclass both _BatchNormXd"):
+        register_q_layer(_BatchNormXd, act_mm.QBN2d)
 
 
 def test_conversion_keeps_forward_and_state_dict():

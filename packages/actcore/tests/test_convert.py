@@ -222,3 +222,33 @@ def test_convert_after_dtype_change() -> None:
     out_q, g_q = _step(q, x)
     assert torch.equal(out_q, out_ref)
     assert all(g.dtype == torch.bfloat16 for g in g_q.values())
+
+
+def test_register_q_layer_extends_convert() -> None:
+    from actcore.layers import Q_LAYERS, QBatchNormBase, register_q_layer
+
+    class AnyDimBN(nn.modules.batchnorm._BatchNorm):  # a library's own batch-norm class
+        def _check_input_dim(self, input: torch.Tensor) -> None:
+            pass
+
+    class QAnyDimBN(QBatchNormBase, AnyDimBN):
+        pass
+
+    with pytest.raises(TypeError, match="must subclass both AnyDimBN and"):
+        register_q_layer(AnyDimBN, actcore.QBatchNorm2d)
+    with pytest.raises(TypeError, match=r"stock must be an nn\.Module class, got 3"):
+        register_q_layer(3, QAnyDimBN)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), AnyDimBN(8))
+    x = torch.randn(4, 3, 12, 12)
+    ref = model(x)
+    assert "1" not in actcore.convert(copy.deepcopy(model), "L2").act_report.converted
+    try:
+        register_q_layer(AnyDimBN, QAnyDimBN)
+        actcore.convert(model, "L2")
+        assert type(model[1]) is QAnyDimBN and model.act_report.converted["1"] == "QAnyDimBN"
+        assert torch.equal(model(x), ref)
+        with pytest.raises(ValueError, match="AnyDimBN already converts to QAnyDimBN"):
+            register_q_layer(AnyDimBN, type("QOther", (QBatchNormBase, AnyDimBN), {}))
+    finally:
+        Q_LAYERS.pop(AnyDimBN, None)

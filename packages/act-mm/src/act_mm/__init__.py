@@ -11,7 +11,18 @@ no-op.
 from __future__ import annotations
 
 from .hooks import ACTConvertHook
-from .layers import QGELU, QGN, QLN, QBN1d, QBN2d, QBN3d, QSigmoid, QSyncBN, QTanh
+from .layers import (
+    QGELU,
+    QGN,
+    QLN,
+    QBatchNormXd,
+    QBN1d,
+    QBN2d,
+    QBN3d,
+    QSigmoid,
+    QSyncBN,
+    QTanh,
+)
 from .registry import REGISTERED, register_layers
 from .train import config_path, shipped_configs
 
@@ -28,6 +39,7 @@ __all__ = [
     "QBN1d",
     "QBN2d",
     "QBN3d",
+    "QBatchNormXd",
     "QSigmoid",
     "QSyncBN",
     "QTanh",

@@ -14,11 +14,18 @@ conventions need a thin subclass, defined here (same parameters, buffers and
   accept it and ignore it (their torch layers have no in-place form).
 * the norm classes carry mmcv's ``_abbr_`` explicitly, so the abbreviation never depends
   on class-name inference.
+
+One more class follows mmengine itself: a ``Runner`` that is not distributed replaces every
+``SyncBatchNorm`` (``QSyncBN`` included) by mmengine's ``_BatchNormXd``. :class:`QBatchNormXd`
+is its Q-layer, registered with :func:`actcore.layers.register_q_layer`, so
+``ACTConvertHook`` (which runs after that replacement) compresses those layers again.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from mmengine.model.utils import _BatchNormXd
 
 from actcore import fewbit
 from actcore.fewbit.functional import DEFAULT_BITS
@@ -26,14 +33,12 @@ from actcore.layers import (
     QBatchNorm1d,
     QBatchNorm2d,
     QBatchNorm3d,
+    QBatchNormBase,
     QGroupNorm,
     QLayerNorm,
+    QSyncBatchNorm,
+    register_q_layer,
 )
-
-try:  # added to actcore alongside this adapter; register it only where it exists
-    from actcore.layers import QSyncBatchNorm
-except ImportError:  # pragma: no cover - depends on the installed actcore
-    QSyncBatchNorm = None  # type: ignore[assignment,misc]
 
 __all__ = [
     "QGELU",
@@ -42,6 +47,7 @@ __all__ = [
     "QBN1d",
     "QBN2d",
     "QBN3d",
+    "QBatchNormXd",
     "QSigmoid",
     "QSyncBN",
     "QTanh",
@@ -85,15 +91,19 @@ class QGN(QGroupNorm):
         super().__init__(num_groups, num_channels, *args, **kwargs)
 
 
-if QSyncBatchNorm is not None:
+class QSyncBN(QSyncBatchNorm):
+    """:class:`actcore.QSyncBatchNorm` with mmcv's abbreviation (``bn``)."""
 
-    class QSyncBN(QSyncBatchNorm):  # type: ignore[valid-type,misc]
-        """:class:`actcore.QSyncBatchNorm` with mmcv's abbreviation (``bn``)."""
+    _abbr_ = "bn"
 
-        _abbr_ = "bn"
 
-else:  # pragma: no cover - depends on the installed actcore
-    QSyncBN = None  # type: ignore[assignment,misc]
+class QBatchNormXd(QBatchNormBase, _BatchNormXd):
+    """Compressed mmengine ``_BatchNormXd`` (what a single-process Runner makes of SyncBN)."""
+
+    _abbr_ = "bn"
+
+
+register_q_layer(_BatchNormXd, QBatchNormXd)
 
 
 class QGELU(fewbit.GELU):

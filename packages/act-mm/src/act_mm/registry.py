@@ -19,12 +19,8 @@ from actcore import fewbit
 from . import layers as mm_layers
 
 
-def _optional(name: str) -> type[nn.Module] | None:
-    return getattr(actcore, name, None)
-
-
 def _table() -> dict[str, type[nn.Module]]:
-    """Registered name -> class (``None`` entries, absent from this actcore, are dropped)."""
+    """Registered name -> class."""
     conv = {
         "QConv1d": actcore.QConv1d,
         "QConv2d": actcore.QConv2d,
@@ -47,7 +43,7 @@ def _table() -> dict[str, type[nn.Module]]:
         "QBatchNorm1d": actcore.QBatchNorm1d,
         "QBatchNorm2d": actcore.QBatchNorm2d,
         "QBatchNorm3d": actcore.QBatchNorm3d,
-        "QSyncBatchNorm": _optional("QSyncBatchNorm"),
+        "QSyncBatchNorm": actcore.QSyncBatchNorm,
         "QGroupNorm": actcore.QGroupNorm,
         "QLayerNorm": actcore.QLayerNorm,
     }
@@ -76,8 +72,7 @@ def _table() -> dict[str, type[nn.Module]]:
         "QAvgPool2d": actcore.QAvgPool2d,
         "QAvgPool3d": actcore.QAvgPool3d,
     }
-    table = {**conv, **norm, **activation, **other}
-    return {name: cls for name, cls in table.items() if cls is not None}
+    return {**conv, **norm, **activation, **other}
 
 
 #: Every name ``import act_mm`` registers in ``mmengine.registry.MODELS``, with its class.

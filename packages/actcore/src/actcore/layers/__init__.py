@@ -10,6 +10,7 @@ from .modules import (
     QBatchNorm1d,
     QBatchNorm2d,
     QBatchNorm3d,
+    QBatchNormBase,
     QConv1d,
     QConv2d,
     QConv3d,
@@ -29,6 +30,7 @@ from .modules import (
     QReLU,
     QReLU6,
     QSyncBatchNorm,
+    register_q_layer,
     unsupported_reason,
 )
 
@@ -40,6 +42,7 @@ __all__ = [
     "QBatchNorm1d",
     "QBatchNorm2d",
     "QBatchNorm3d",
+    "QBatchNormBase",
     "QConv1d",
     "QConv2d",
     "QConv3d",
@@ -59,5 +62,6 @@ __all__ = [
     "QReLU",
     "QReLU6",
     "QSyncBatchNorm",
+    "register_q_layer",
     "unsupported_reason",
 ]

@@ -182,7 +182,14 @@ class QLinear(QLayer, nn.Linear):
         return LinearFunction.apply(input, weight, bias, self)
 
 
-class _QBatchNorm(QLayer):
+class QBatchNormBase(QLayer):
+    """Compressed batch norm over any ``nn.modules.batchnorm._BatchNorm`` subclass.
+
+    Combine it with a batch-norm class to get its Q-layer, e.g.
+    ``class QMyBN(QBatchNormBase, MyBN)`` (what :class:`QBatchNorm2d` is for
+    ``nn.BatchNorm2d``), then :func:`register_q_layer` it.
+    """
+
     def _momentum_factor(self) -> float:
         """The running-statistics factor torch's batch norm uses this step (counts the step)."""
         factor = 0.0 if self.momentum is None else self.momentum
@@ -217,19 +224,19 @@ class _QBatchNorm(QLayer):
         )
 
 
-class QBatchNorm1d(_QBatchNorm, nn.BatchNorm1d):
+class QBatchNorm1d(QBatchNormBase, nn.BatchNorm1d):
     pass
 
 
-class QBatchNorm2d(_QBatchNorm, nn.BatchNorm2d):
+class QBatchNorm2d(QBatchNormBase, nn.BatchNorm2d):
     pass
 
 
-class QBatchNorm3d(_QBatchNorm, nn.BatchNorm3d):
+class QBatchNorm3d(QBatchNormBase, nn.BatchNorm3d):
     pass
 
 
-class QSyncBatchNorm(_QBatchNorm, nn.SyncBatchNorm):
+class QSyncBatchNorm(QBatchNormBase, nn.SyncBatchNorm):
     """``nn.SyncBatchNorm`` with a compressed input; statistics synchronised across ranks.
 
     Without synchronisation (one process, no process group, eval mode) it is
@@ -436,3 +443,31 @@ Q_LAYERS: dict[type[nn.Module], type[nn.Module]] = {
     nn.AvgPool2d: QAvgPool2d,
     nn.AvgPool3d: QAvgPool3d,
 }
+
+
+def register_q_layer(stock: type[nn.Module], q_layer: type[nn.Module]) -> None:
+    """Make :func:`actcore.convert` turn ``stock`` modules (that exact type) into ``q_layer``.
+
+    For layer classes of other libraries (e.g. mmengine's ``_BatchNormXd``). ``q_layer``
+    must subclass both ``stock`` and :class:`QLayer` and add no parameters or buffers of
+    its own: convert swaps the class of the existing module in place. Registering the
+    same pair again is a no-op; another Q-layer for an already mapped ``stock`` is an error.
+    """
+    for name, cls in (("stock", stock), ("q_layer", q_layer)):
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"register_q_layer: {name} must be an nn.Module class, got {cls!r}")
+    if not (issubclass(q_layer, stock) and issubclass(q_layer, QLayer)):
+        raise TypeError(
+            f"register_q_layer: {q_layer.__name__} must subclass both "
+            f"{stock.__name__} and actcore.layers.QLayer"
+        )
+    known = Q_LAYERS.get(stock)
+    reloaded = known is not None and (known.__module__, known.__qualname__) == (
+        q_layer.__module__,
+        q_layer.__qualname__,
+    )  # the same class from a reloaded module replaces its old self
+    if known is not None and known is not q_layer and not reloaded:
+        raise ValueError(
+            f"register_q_layer: {stock.__name__} already converts to {known.__name__}"
+        )
+    Q_LAYERS[stock] = q_layer
