@@ -15,7 +15,7 @@ DIST = "act-mm"
 # The only runtime requirements act-mm may declare (canonical names).
 RUNTIME_REQUIREMENTS = {"actcore", "mmengine"}
 # Frameworks that installing act-mm must never pull in: the other adapters' ones, and
-# mmcv/mmdet, which act-mm does not depend on (yet).
+# mmcv/mmdet, which only the optional `openmmlab` extra brings (tox -e act-mm-openmmlab).
 FOREIGN_FRAMEWORKS = ("transformers", "torch_geometric", "mmcv", "mmdet")
 
 

@@ -48,22 +48,6 @@ class ConversionReport(actcore.ConversionReport):
         return "\n".join(lines)
 
 
-_SELECTING = ("max", "min", "amax", "amin")
-
-
-def _selecting_aggregation(module: MessagePassing) -> str | None:
-    """A max/min-type aggregation (whose backward compares saved values), if any."""
-    aggr = getattr(module, "aggr", None)
-    names = aggr if isinstance(aggr, (list, tuple)) else [aggr]
-    for agg in names:
-        text = str(agg).lower()
-        if any(text == s or text.startswith(s) for s in _SELECTING) or "maxaggregation" in text:
-            return str(agg)
-        if "minaggregation" in text:
-            return str(agg)
-    return None
-
-
 def _check_projection(value: float | None) -> float | None:
     if value is None:
         return None
@@ -118,13 +102,6 @@ def convert(
             continue
         if _excluded(name, module, rules):
             report.left[name] = "excluded"
-            continue
-        selection = _selecting_aggregation(module)
-        if selection is not None:
-            report.left[name] = (
-                f"aggr={selection!r} picks saved values by comparison (its backward needs them "
-                "exact), kept uncompressed"
-            )
             continue
         if isinstance(module, QMessagePassing):
             target = type(module)
