@@ -467,7 +467,5 @@ def register_q_layer(stock: type[nn.Module], q_layer: type[nn.Module]) -> None:
         q_layer.__qualname__,
     )  # the same class from a reloaded module replaces its old self
     if known is not None and known is not q_layer and not reloaded:
-        raise ValueError(
-            f"register_q_layer: {stock.__name__} already converts to {known.__name__}"
-        )
+        raise ValueError(f"register_q_layer: {stock.__name__} already converts to {known.__name__}")
     Q_LAYERS[stock] = q_layer
