@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from native_cases import OPCHECK_CASES, check_errors_are_clear, opcheck_cases
 
 from actcore import ops
 from actcore.native import build, cli, loader
@@ -425,43 +426,13 @@ def test_past_2_32_elements(native):
         _assert_same(y[start:stop], ry, f"dequantize at {start}")
 
 
-def _opcheck_cases():
-    x = torch.randn(3, 70, device="cuda")
-    payload, lo, step = torch.ops.actcore.quantize(x, 3, 32, True, 5, True)
-    values = torch.randint(0, 8, (37,), dtype=torch.uint8, device="cuda")
-    return [
-        (torch.ops.actcore.quantize.default, (x, 3, 32, True, 5, True)),
-        (torch.ops.actcore.quantize.default, (x.half().t(), 2, 8, False, 0, False)),
-        (torch.ops.actcore.quantize.default, (x.double()[:, ::2], 8, 512, True, 9, True)),
-        (torch.ops.actcore.dequantize.default, (payload, lo, step, 3, 32, [3, 70], x.dtype, True)),
-        (torch.ops.actcore.pack_bits.default, (values, 3)),
-        (torch.ops.actcore.unpack_bits.default, (torch.ops.actcore.pack_bits(values, 3), 3, 37)),
-        (torch.ops.actcore.hash_uniform.default, (torch.arange(100, device="cuda"), 17)),
-        (
-            torch.ops.actcore.hash_uniform.default,
-            (torch.arange(100, device="cuda").view(10, 10).t(), 3),
-        ),
-    ]
-
-
 @needs_gpu
-@pytest.mark.parametrize("case", range(8))
+@pytest.mark.parametrize("case", range(OPCHECK_CASES))
 def test_opcheck_on_cuda(native, case):
-    op, args = _opcheck_cases()[case]
+    op, args = opcheck_cases("cuda")[case]
     torch.library.opcheck(op, args)
 
 
 @needs_gpu
 def test_native_errors_are_clear(native):
-    x = torch.randn(4, 8, device="cuda")
-    with pytest.raises(RuntimeError, match=r"bits must be in 1\.\.8, got 9"):
-        torch.ops.actcore.quantize.default(x, 9, 8, False, 0, True)
-    with pytest.raises(RuntimeError, match="multiple of 8, got 12"):
-        torch.ops.actcore.quantize.default(x, 2, 12, False, 0, True)
-    with pytest.raises(RuntimeError, match="takes float32, float16, bfloat16 or float64"):
-        torch.ops.actcore.quantize.default(x.int(), 2, 8, False, 0, True)
-    payload, lo, step = torch.ops.actcore.quantize.default(x, 2, 8, False, 0, True)
-    with pytest.raises(RuntimeError, match="payload has shape"):
-        torch.ops.actcore.dequantize.default(
-            payload[:, :1], lo, step, 2, 8, [4, 8], torch.float32, True
-        )
+    check_errors_are_clear("cuda")

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from native_cases import OPCHECK_CASES, check_errors_are_clear, opcheck_cases
 
 from actcore import ops
 from actcore.native import build, cli, loader
@@ -255,44 +256,13 @@ def test_the_front_end_runs_the_cpu_kernels(native_cpu):
 
 
 def test_errors_are_clear(native_cpu):
-    x = torch.randn(4, 8)
-    with pytest.raises(RuntimeError, match=r"bits must be in 1\.\.8, got 9"):
-        torch.ops.actcore.quantize.default(x, 9, 8, False, 0, True)
-    with pytest.raises(RuntimeError, match="multiple of 8, got 12"):
-        torch.ops.actcore.quantize.default(x, 2, 12, False, 0, True)
-    with pytest.raises(RuntimeError, match="takes float32, float16, bfloat16 or float64"):
-        torch.ops.actcore.quantize.default(x.int(), 2, 8, False, 0, True)
-    payload, lo, step = torch.ops.actcore.quantize.default(x, 2, 8, False, 0, True)
-    with pytest.raises(RuntimeError, match="payload has shape"):
-        torch.ops.actcore.dequantize.default(
-            payload[:, :1], lo, step, 2, 8, [4, 8], torch.float32, True
-        )
-    with pytest.raises(RuntimeError, match="holds at most"):
-        torch.ops.actcore.unpack_bits.default(torch.zeros(2, dtype=torch.uint8), 2, 9)
+    check_errors_are_clear("cpu")
 
 
 # ------------------------------------------------------------------------------ opcheck
-def _opcheck_cases() -> list[tuple[object, tuple]]:
-    x = torch.randn(3, 70)
-    payload, lo, step = torch.ops.actcore.quantize(x, 3, 32, True, 5, True)
-    values = torch.randint(0, 8, (37,), dtype=torch.uint8)
-    nchw = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
-    return [
-        (torch.ops.actcore.quantize.default, (x, 3, 32, True, 5, True)),
-        (torch.ops.actcore.quantize.default, (x.half().t(), 2, 8, False, 0, False)),
-        (torch.ops.actcore.quantize.default, (x.double()[:, ::2], 8, 512, True, 9, True)),
-        (torch.ops.actcore.quantize.default, (nchw.bfloat16(), 1, 24, True, 2, True)),
-        (torch.ops.actcore.dequantize.default, (payload, lo, step, 3, 32, [3, 70], x.dtype, True)),
-        (torch.ops.actcore.pack_bits.default, (values, 3)),
-        (torch.ops.actcore.unpack_bits.default, (torch.ops.actcore.pack_bits(values, 3), 3, 37)),
-        (torch.ops.actcore.hash_uniform.default, (torch.arange(100), 17)),
-        (torch.ops.actcore.hash_uniform.default, (torch.arange(100).view(10, 10).t(), 3)),
-    ]
-
-
-@pytest.mark.parametrize("case", range(9))
+@pytest.mark.parametrize("case", range(OPCHECK_CASES))
 def test_opcheck_with_the_cpu_kernels(native_cpu, case):
-    op, args = _opcheck_cases()[case]
+    op, args = opcheck_cases("cpu")[case]
     torch.library.opcheck(op, args)
 
 
