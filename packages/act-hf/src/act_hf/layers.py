@@ -102,7 +102,8 @@ _HF_TABLES: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
 }
 
 FEWBIT_ACTIVATIONS: dict[type[nn.Module], type[nn.Module]] = {}
-"""activation class -> few-bit subclass (transformers' classes and torch's continuous ones)."""
+"""transformers' activation class -> its few-bit subclass (torch's own activations are
+actcore.convert's: ``actcore.convert(..., fewbit_bits=...)`` swaps them first)."""
 
 for _name, (_table, _params) in _HF_TABLES.items():
     _base = getattr(hf_activations, _name, None)
@@ -124,22 +125,11 @@ for _name, (_table, _params) in _HF_TABLES.items():
     FEWBIT_ACTIVATIONS[_base] = _cls
 
 
-def _torch_fewbit() -> dict[type[nn.Module], type[nn.Module]]:
-    from actcore import fewbit
-
-    names = ["GELU", "SiLU", "Tanh", "Sigmoid", "Mish", "Hardswish", "ELU", "CELU", "SELU"]
-    names += ["Softplus", "Softsign", "Tanhshrink", "LogSigmoid"]
-    return {getattr(nn, n): getattr(fewbit, n) for n in names}
-
-
-FEWBIT_ACTIVATIONS.update(_torch_fewbit())
-
-
 def fewbit_class_for(module: nn.Module) -> type[nn.Module] | None:
     """The few-bit class that ``module`` (an activation, by exact type) converts to."""
     return FEWBIT_ACTIVATIONS.get(type(module))
 
 
 def is_fewbit(module: nn.Module) -> bool:
-    """Whether ``module`` is already a few-bit activation (of this package or actcore)."""
+    """Whether ``module`` is already one of this package's few-bit activations."""
     return type(module) in set(FEWBIT_ACTIVATIONS.values())
