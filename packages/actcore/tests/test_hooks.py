@@ -340,3 +340,19 @@ def test_bad_policy_errors_name_value() -> None:
         compress_saved_tensors(2.5)
     with pytest.raises(ValueError, match="min_numel"):
         compress_saved_tensors(4, min_numel=-1)
+
+
+def test_sparse_saved_tensor_passes_through_and_is_counted() -> None:
+    g = torch.Generator().manual_seed(0)
+    dense = (torch.rand(500, 400, generator=g) < 0.01) * torch.randn(500, 400, generator=g)
+    sparse = dense.to_sparse_csr().requires_grad_()
+    x = torch.randn(400, 8, requires_grad=True)
+    with memory.track() as plain:
+        out = torch.mm(sparse, x)
+    ref = torch.autograd.grad(out.sum(), x)[0]
+    with compress_saved_tensors(2, min_numel=1), memory.track() as packed:
+        out = torch.mm(sparse, x)
+    assert packed.hooks == "foreign"
+    # the sparse matrix is kept as it is (and counted: indices and values), x is packed
+    assert plain.retained_bytes - x.nbytes < packed.retained_bytes < plain.retained_bytes
+    assert torch.equal(torch.autograd.grad(out.sum(), x)[0], ref)

@@ -466,3 +466,19 @@ def test_cuda_peak_delta() -> None:
     assert rep.cuda_peak_delta is not None
     assert rep.cuda_peak_delta >= rep.retained_bytes - nbytes(x)
     del y
+
+
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr])
+def test_sparse_tensor_counts_its_indices_and_values(layout: torch.layout) -> None:
+    g = torch.Generator().manual_seed(0)
+    dense = (torch.rand(500, 400, generator=g) < 0.01) * torch.randn(500, 400, generator=g)
+    sparse = dense.to_sparse() if layout == torch.sparse_coo else dense.to_sparse_csr()
+    sparse.requires_grad_()
+    parts = memory._sparse_parts(sparse.detach())
+    expected = sum(p.untyped_storage().nbytes() for p in parts)
+    assert expected < dense.nbytes / 10  # far below the dense N x M the old count used
+    x = torch.randn(400, 8, requires_grad=True)
+    with track() as rep:
+        out = torch.mm(sparse, x)  # saves the sparse matrix (for x's grad) and x
+    assert rep.retained_bytes == expected + x.nbytes
+    del out

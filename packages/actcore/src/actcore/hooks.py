@@ -377,8 +377,10 @@ class SavedTensorCompressor:
 
     def pack(self, t: Tensor) -> _Handle:
         """The pack hook."""
-        if not isinstance(t, Tensor) or t.layout != torch.strided or t.is_nested:
-            return self._passthrough(t, note=False) if isinstance(t, Tensor) else t
+        if not isinstance(t, Tensor):
+            return t
+        if t.layout != torch.strided or t.is_nested:  # sparse, nested: kept as they are
+            return self._passthrough(t, note=not _is_param_like(t, self._param_ptrs))
         if _is_param_like(t, self._param_ptrs):
             return self._passthrough(t, note=False)
         if engine.is_stashed(t):  # a Q-layer packed it already (or needs it exact)

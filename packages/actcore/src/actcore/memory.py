@@ -178,8 +178,26 @@ def _storage_of(t: Tensor) -> tuple[Any, int]:
         key: Any = (t.device, ptr) if ptr else ("impl", storage._cdata)
         return key, storage.nbytes()
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
-        # Sparse or other storage-less layouts: count the elements, no dedup.
+        # other storage-less tensors (nested...): count the elements, no dedup
         return ("tensor", id(t)), t.numel() * t.element_size()
+
+
+_COMPRESSED_SPARSE = {
+    torch.sparse_csr: ("crow_indices", "col_indices"),
+    torch.sparse_bsr: ("crow_indices", "col_indices"),
+    torch.sparse_csc: ("ccol_indices", "row_indices"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices"),
+}
+
+
+def _sparse_parts(t: Tensor) -> tuple[Tensor, ...] | None:
+    """The dense tensors a sparse tensor is made of (None for a strided or other tensor)."""
+    if t.layout == torch.sparse_coo:
+        return (t._indices(), t._values())
+    names = _COMPRESSED_SPARSE.get(t.layout)
+    if names is None:
+        return None
+    return (*(getattr(t, n)() for n in names), t.values())
 
 
 def _is_param(t: Tensor) -> bool:
@@ -512,7 +530,15 @@ class Tracker:
         return OUTSIDE if self.model is not None else ""
 
     def _record(self, t: Tensor, holder: Tensor, owner: str | None = None) -> None:
-        """Count ``t``'s storage once while ``holder`` (what keeps it for backward) lives."""
+        """Count ``t``'s storage once while ``holder`` (what keeps it for backward) lives.
+
+        A sparse tensor is counted as its indices and values (each storage once).
+        """
+        parts = _sparse_parts(t)
+        if parts is not None:
+            for part in parts:
+                self._record(part, holder, owner)
+            return
         key, nbytes = _storage_of(t)
         if not self.include_params and (key in self._param_keys or _is_param(t)):
             return
