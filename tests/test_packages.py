@@ -17,6 +17,25 @@ except ModuleNotFoundError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {"actcore", "act-mm", "act-hf", "act-pyg"}
+# All that each package may require at run time (canonical names): an adapter brings
+# actcore and its one framework, nothing of the others'.
+RUNTIME = {
+    "actcore": {"torch", "numpy", "rich"},
+    "act-mm": {"actcore", "mmengine"},
+    "act-hf": {"actcore", "transformers"},
+    "act-pyg": {"actcore", "torch-geometric"},
+}
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def _runtime_requirements(dist: str) -> list:
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(r) for r in importlib.metadata.requires(dist) or []]
+    return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
 
 
 def _pyprojects() -> dict[str, dict]:
@@ -50,13 +69,28 @@ def test_imported_from_this_checkout(dist):
     assert Path(module.__file__).resolve().is_relative_to(src)
 
 
+@pytest.mark.parametrize("dist", sorted(EXPECTED))
+def test_declares_only_its_runtime_requirements(dist):
+    assert {_canonical(r.name) for r in _runtime_requirements(dist)} == RUNTIME[dist]
+
+
+@pytest.mark.parametrize("dist", sorted(EXPECTED))
+def test_installed_dependencies_satisfy_declared_ranges(dist):
+    for req in _runtime_requirements(dist):
+        installed = importlib.metadata.version(req.name)
+        assert req.specifier.contains(installed, prereleases=True), (str(req), installed)
+
+
 @pytest.mark.parametrize("dist", sorted(EXPECTED - {"actcore"}))
 def test_adapters_accept_this_actcore(dist):
-    from packaging.requirements import Requirement
-
-    reqs = [Requirement(r) for r in importlib.metadata.requires(dist) or []]
-    (core,) = [r for r in reqs if r.name == "actcore"]
+    (core,) = [r for r in _runtime_requirements(dist) if r.name == "actcore"]
     assert core.specifier.contains(PROJECTS["actcore"]["version"])
+
+
+def test_act_hf_transformers_range_admits_4x_and_5x():
+    (req,) = [r for r in _runtime_requirements("act-hf") if r.name == "transformers"]
+    assert req.specifier.contains("4.57.0")
+    assert req.specifier.contains("5.23.0")
 
 
 def test_all_packages_install_together_consistently():
