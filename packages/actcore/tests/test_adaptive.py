@@ -71,6 +71,25 @@ def test_plan_respects_budget_and_beats_uniform() -> None:
     assert len(set(plans["3"])) == 1
 
 
+def test_normalization_layers_never_go_below_the_budget() -> None:
+    """A norm's input error reaches the input gradient: it keeps >= ceil(budget) bits, even
+    where its own weight-gradient variance alone would hand it 1 bit; the budget holds."""
+    scheme = AdaptiveBits(budget=2.0)
+    profile = torch.tensor([4.0, 2.0, 1.0, 0.5])
+    for name, sens, norm in (("lin", 1.0, False), ("ln", 1e-6, True), ("lin2", 1e-6, False)):
+        scheme.layers[name] = _LayerStats(
+            sens=torch.tensor(sens), profile=profile, elems=torch.tensor(10.0), norm=norm
+        )
+    scheme.replan()
+    assert min(scheme.layers["ln"].plan) >= 2
+    assert min(scheme.layers["lin2"].plan) == 1  # the same statistics, not a norm
+    assert scheme.average_bits() <= scheme.budget + 1e-9
+    model = actcore.convert(_model(), level="L3")
+    _train(model, 1)
+    norms = {n for n, st in model.act_adaptive.layers.items() if st.norm}
+    assert norms == {"1"}  # the BatchNorm1d, marked from its backward
+
+
 def _brute_force(weights: list[float], costs: list[float], budget: float, top: int) -> float:
     best = float("inf")
     limit = budget * sum(costs)
