@@ -1,9 +1,10 @@
 """act_pyg with PyG's optional native extensions installed (torch_scatter, torch_sparse).
 
 They change what PyG runs: a ``SparseTensor`` adjacency (``adj_t``) becomes a valid
-``edge_index``, propagated by torch_sparse's C++ sparse-dense products (custom autograd
-functions whose saved tensors the hooks route sees), and aggregations over a CSR pointer
-go through torch_scatter's segment kernels. These tests skip without the extensions,
+``edge_index``, propagated by torch_sparse's C++ sparse-dense products. The converted GCN
+and SAGE take it directly (stock sparse product forward, shared int32 index in backward);
+GAT runs it under the hooks route, which sees what torch_sparse's custom autograd
+functions save. These tests skip without the extensions,
 except in tox's ``act-pyg-ext`` env (``ACT_REQUIRE_PYG_EXTENSIONS=1``), where they fail.
 pyg-lib has no source release on the package index, so it is not covered.
 """
@@ -87,16 +88,16 @@ def test_sparse_tensor_adjacency_same_forward_close_gradients_less_memory(kind, 
         held_s = stock(x, adj_t)
     with memory.track(l3) as held:
         held_c = l3(x, adj_t)
-    # the hooks route keeps the CSR indices (int64; GAT: a second copy with self-loops) and
-    # values of each layer's sparse product as they are: measured GCN 2.8x, SAGE 4.5x,
-    # GAT 3.7x (the converted edge_index paths, with int32 shared indices: 13.7x/15.2x/42x)
+    # GCN and SAGE keep adj_t as one shared int32 index (+ GCN's weights): 5.9x / 6.4x on
+    # this 32-feature graph, where the graph dominates; GAT goes through the hooks route,
+    # which keeps the CSR indices of each layer's product (int64, with self-loops): 3.7x
     ratio = fp.retained_bytes / held.retained_bytes
     with capsys.disabled():
         print(
             f"\n[act_pyg] {kind} with adj_t at L3: {fp.retained_bytes / 2**20:.2f} MiB -> "
             f"{held.retained_bytes / 2**20:.2f} MiB ({ratio:.1f}x)"
         )
-    assert ratio > 2.5
+    assert ratio > (2.5 if kind == "gat" else 5)
     del held_s, held_c
 
 
@@ -109,3 +110,24 @@ def test_sparse_max_aggregation_gradient_is_exact(graph):
     _, grads_s = _grads(stock, x, adj_t)
     _, grads_c = _grads(conv, x, adj_t)
     torch.testing.assert_close(grads_c[0], grads_s[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gcn", "sage"])
+def test_converted_path_takes_adj_t_like_edge_index(kind, graph):
+    """Same retained bytes as with edge_index (the graph shared, int32), L0 gradients equal."""
+    x, edge_index, adj_t = graph
+    torch.manual_seed(0)
+    stock = bench.GNN(kind, 32, 64, 8, dropout=0.0)
+    l3 = act_pyg.convert(copy.deepcopy(stock), "L3")
+    held = {}
+    for name, index in (("edge_index", edge_index), ("adj_t", adj_t)):
+        with memory.track(l3) as report:
+            out = l3(x.clone().requires_grad_(), index)
+        held[name] = report.retained_bytes
+        del out
+    assert held["adj_t"] <= 1.02 * held["edge_index"], held
+    l0 = act_pyg.convert(copy.deepcopy(stock), "L0")
+    _, grads_s = _grads(stock, x, adj_t)
+    _, grads_0 = _grads(l0, x, adj_t)
+    for gs, g0 in zip(grads_s, grads_0, strict=True):
+        torch.testing.assert_close(g0, gs, rtol=1e-4, atol=1e-4)

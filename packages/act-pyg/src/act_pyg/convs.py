@@ -5,11 +5,14 @@
 backward only compressed node features, the narrow shared edge index and, for GAT, the
 quantized attention coefficients and 1-bit masks (see :mod:`act_pyg.functions`).
 
-Inputs these paths do not cover (a ``SparseTensor`` or sparse adjacency, bipartite tuples,
-``size``, edge features, ``return_attention_weights``, a learnable ``edge_weight``, a lazy
-linear not yet initialised, ``explain`` or ``decomposed_layers``) run the stock forward under
-the saved-tensor hooks route instead; without a pending backward (``no_grad``, inference)
-they run the stock forward as it is.
+GCN and SAGE also take a torch_sparse ``SparseTensor`` adjacency (``adj_t``, with
+torch_sparse installed): the forward is the stock sparse product, and backward keeps the
+adjacency's indices as a shared int32 edge index plus its values, as for ``edge_index``.
+Inputs these paths do not cover (GAT with a ``SparseTensor``, a torch sparse adjacency,
+bipartite tuples, ``size``, edge features, ``return_attention_weights``, a learnable
+``edge_weight``, a lazy linear not yet initialised, ``explain`` or ``decomposed_layers``)
+run the stock forward under the saved-tensor hooks route instead; without a pending backward
+(``no_grad``, inference) they run the stock forward as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch import Tensor
 from torch_geometric.nn import GATConv, GCNConv, MessagePassing, SAGEConv
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
+from torch_geometric.typing import SparseTensor
 from torch_geometric.utils import add_self_loops, remove_self_loops
 
 from actcore.engine import needs_saving
@@ -43,6 +47,26 @@ def _plain_index(edge_index: Any) -> bool:
         and edge_index.shape[0] == 2
         and not edge_index.is_floating_point()
     )
+
+
+def _adjacency(edge_index: Any, flow: str) -> bool:
+    """A torch_sparse ``SparseTensor`` adjacency the converted GCN/SAGE paths take."""
+    if not isinstance(edge_index, SparseTensor) or flow != "source_to_target":
+        return False
+    value = edge_index.storage.value()
+    return value is None or not value.requires_grad
+
+
+def _adjacency_graph(tag: Any, adj_in: Any, adj: Any, num_nodes: int) -> Graph:
+    """Backward's shared narrow edge index (source, target) and weights of ``adj``, the
+    processed form of the input adjacency ``adj_in`` (``adj[i, j]``: edge ``j -> i``)."""
+    st = adj_in.storage
+    inputs = (st.row(), st.col(), st.value())  # row(): built once, then kept by the storage
+
+    def build() -> tuple[Tensor, Tensor | None]:
+        return torch.stack([adj.storage.col(), adj.storage.row()]), adj.storage.value()
+
+    return shared_graph(("adj", tag), inputs, num_nodes, build)
 
 
 class QMessagePassing:
@@ -78,29 +102,58 @@ class QGCNConv(QMessagePassing, GCNConv):
     def forward(self, x: Tensor, edge_index: Any, edge_weight: Tensor | None = None) -> Tensor:
         if not _pending_backward(self, x):
             return super().forward(x, edge_index, edge_weight)
+        adjacency = _adjacency(edge_index, self.flow)
         if (
             not isinstance(x, Tensor)
             or x.dim() != 2
-            or not _plain_index(edge_index)
-            or (edge_weight is not None and edge_weight.requires_grad)
+            or not (_plain_index(edge_index) or adjacency)
+            or (edge_weight is not None and (edge_weight.requires_grad or adjacency))
             or _lazy(self.lin)
             or self.aggr not in LINEAR_AGGRS
             or self._runtime_reason()
         ):
             return self._stock(x, edge_index, edge_weight)
-        graph = self._graph(x, edge_index, edge_weight)
+        if adjacency:
+            adj = self._adjacency(x, edge_index)
+            graph = _adjacency_graph(
+                ("gcn", self.normalize, self.improved, self.add_self_loops, x.dtype),
+                edge_index,
+                adj,
+                x.size(self.node_dim),
+            )
+
+            def compute(t: Tensor) -> Tensor:
+                return self.propagate(adj, x=t, edge_weight=None)
+        else:
+            graph = self._graph(x, edge_index, edge_weight)
+
+            def compute(t: Tensor) -> Tensor:
+                return self.propagate(graph.edge_index, x=t, edge_weight=graph.weight)
+
         h = linear(self, self.lin, x)
-        out = LinearAggregation.apply(
-            h,
-            self,
-            graph,
-            self.aggr == "mean",
-            self.flow,
-            lambda t: self.propagate(graph.edge_index, x=t, edge_weight=graph.weight),
-        )
+        out = LinearAggregation.apply(h, self, graph, self.aggr == "mean", self.flow, compute)
         if self.bias is not None:
             out = out + self.bias
         return out
+
+    def _adjacency(self, x: Tensor, adj_t: Any) -> Any:
+        """The adjacency the stock forward propagates over (normalised and cached as it does)."""
+        if not self.normalize:
+            return adj_t
+        if self._cached_adj_t is not None:
+            return self._cached_adj_t
+        adj = gcn_norm(
+            adj_t,
+            None,
+            x.size(self.node_dim),
+            self.improved,
+            self.add_self_loops,
+            self.flow,
+            x.dtype,
+        )
+        if self.cached:
+            self._cached_adj_t = adj
+        return adj
 
     def _graph(self, x: Tensor, edge_index: Tensor, edge_weight: Tensor | None) -> Graph:
         n = x.size(self.node_dim)
@@ -135,7 +188,7 @@ class QSAGEConv(QMessagePassing, SAGEConv):
             not isinstance(x, Tensor)
             or x.dim() != 2
             or size is not None
-            or not _plain_index(edge_index)
+            or not (_plain_index(edge_index) or _adjacency(edge_index, self.flow))
             or self.project
             or self.normalize
             or self.aggr not in LINEAR_AGGRS
@@ -145,14 +198,19 @@ class QSAGEConv(QMessagePassing, SAGEConv):
         ):
             return self._stock(x, edge_index, size)
         n = x.size(0)
-        graph = shared_graph(("plain",), (edge_index,), n, lambda: (edge_index, None))
+        if isinstance(edge_index, SparseTensor):
+            graph = _adjacency_graph(("plain",), edge_index, edge_index, n)
+            forward_index: Any = edge_index
+        else:
+            graph = shared_graph(("plain",), (edge_index,), n, lambda: (edge_index, None))
+            forward_index = graph.edge_index
         agg = LinearAggregation.apply(
             x,
             self,
             graph,
             self.aggr == "mean",
             self.flow,
-            lambda t: self.propagate(graph.edge_index, x=(t, t), size=None),
+            lambda t: self.propagate(forward_index, x=(t, t), size=None),
         )
         out = linear(self, self.lin_l, agg)
         if self.root_weight:

@@ -32,13 +32,15 @@ class Graph:
 
 
 class _Entry:
-    __slots__ = ("keys", "narrow", "versions", "weight")
+    __slots__ = ("keys", "narrow", "own_versions", "versions", "weight")
 
     def __init__(self, keys, versions, narrow: Tensor, weight: Tensor | None) -> None:
         self.keys = keys
         self.versions = versions
         self.narrow = weakref.ref(narrow)
         self.weight = None if weight is None else weakref.ref(weight)
+        # versions of the stored tensors themselves (a weight may be built in place)
+        self.own_versions = (narrow._version, None if weight is None else weight._version)
 
 
 _CACHE: dict[Hashable, _Entry] = {}
@@ -83,8 +85,7 @@ def shared_graph(
             and (entry.weight is None or weight is not None)
             and same
             and entry.versions == versions
-            and narrow._version == 0
-            and (weight is None or weight._version == 0)
+            and (narrow._version, None if weight is None else weight._version) == entry.own_versions
         ):
             return Graph(narrow.long(), narrow, weight)
     _prune()
