@@ -99,6 +99,14 @@ def test_reduce_argument_and_norm_order_decide() -> None:
     assert not needs_exact_saves(torch.Tensor.norm, (x,))
     assert not needs_exact_saves(torch.sin, (x,))
 
+    class Unhashable:
+        __hash__ = None
+
+        def __call__(self, *args: object) -> None:
+            pass
+
+    assert not needs_exact_saves(Unhashable(), (x,))
+
 
 def test_mode_depth_counts_nested_calls_and_unwinds_on_error() -> None:
     mode = ExactOps()

@@ -94,9 +94,16 @@ def _table() -> dict[Any, _Predicate]:
 _NEEDS_EXACT = _table()
 
 
+def _lookup(func: Any) -> _Predicate | None:
+    try:
+        return _NEEDS_EXACT.get(func)
+    except TypeError:  # an unhashable callable: none of ours
+        return None
+
+
 def needs_exact_saves(func: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
     """Whether ``func(*args, **kwargs)``'s backward needs its saved tensors exact."""
-    check = _NEEDS_EXACT.get(func)
+    check = _lookup(func)
     return check is not None and check(args, kwargs or {})
 
 
@@ -111,7 +118,7 @@ class ExactOps(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        check = _NEEDS_EXACT.get(func)
+        check = _lookup(func)
         if check is None or not check(args, kwargs):
             return func(*args, **kwargs)
         self.depth += 1
