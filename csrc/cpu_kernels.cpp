@@ -49,6 +49,7 @@
 #endif
 
 #include "op_checks.h"
+#include "op_registration.h"
 
 namespace actcore_cpu {
 namespace {
@@ -686,19 +687,9 @@ at::Tensor hash_uniform_cpu(const at::Tensor& index, int64_t seed) {
   return out;
 }
 
-std::mutex registration_mutex;
-std::unique_ptr<torch::Library> registration;
-
-void register_kernels() {
-  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "actcore",
-                                              c10::DispatchKey::CPU, __FILE__, __LINE__);
-  lib->impl("quantize", TORCH_FN(quantize_cpu));
-  lib->impl("dequantize", TORCH_FN(dequantize_cpu));
-  lib->impl("pack_bits", TORCH_FN(pack_bits_cpu));
-  lib->impl("unpack_bits", TORCH_FN(unpack_bits_cpu));
-  lib->impl("hash_uniform", TORCH_FN(hash_uniform_cpu));
-  registration = std::move(lib);  // on an exception, `lib` undoes what it registered
-}
+actcore_registration::Registration<quantize_cpu, dequantize_cpu, pack_bits_cpu, unpack_bits_cpu,
+                                   hash_uniform_cpu>
+    registration{c10::DispatchKey::CPU};
 
 }  // namespace
 }  // namespace actcore_cpu
@@ -712,19 +703,11 @@ __attribute__((visibility("default"))) int actcore_cpu_abi_version() {
 // Registers the CPU kernels of the actcore::* ops (later calls do nothing while they are).
 // Returns 0, or 1 with the reason in `message` (NUL-terminated, at most `size` bytes).
 __attribute__((visibility("default"))) int actcore_cpu_register(char* message, size_t size) {
-  try {
-    const std::lock_guard<std::mutex> lock(actcore_cpu::registration_mutex);
-    if (!actcore_cpu::registration) actcore_cpu::register_kernels();
-    return 0;
-  } catch (const std::exception& e) {
-    if (message != nullptr && size > 0) std::snprintf(message, size, "%s", e.what());
-    return 1;
-  }
+  return actcore_cpu::registration.ensure(message, size);
 }
 
 // Removes the registration (the ops fall back to their reference bodies on CPU).
 __attribute__((visibility("default"))) void actcore_cpu_unregister() {
-  const std::lock_guard<std::mutex> lock(actcore_cpu::registration_mutex);
   actcore_cpu::registration.reset();
 }
 

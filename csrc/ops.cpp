@@ -24,6 +24,7 @@
 
 #include "actcore_native.h"
 #include "op_checks.h"
+#include "op_registration.h"
 
 namespace actcore_native {
 namespace {
@@ -192,19 +193,9 @@ at::Tensor hash_uniform_cuda(const at::Tensor& index, int64_t seed) {
   return out;
 }
 
-std::mutex registration_mutex;
-std::unique_ptr<torch::Library> registration;
-
-void register_kernels() {
-  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "actcore",
-                                              c10::DispatchKey::CUDA, __FILE__, __LINE__);
-  lib->impl("quantize", TORCH_FN(quantize_cuda));
-  lib->impl("dequantize", TORCH_FN(dequantize_cuda));
-  lib->impl("pack_bits", TORCH_FN(pack_bits_cuda));
-  lib->impl("unpack_bits", TORCH_FN(unpack_bits_cuda));
-  lib->impl("hash_uniform", TORCH_FN(hash_uniform_cuda));
-  registration = std::move(lib);  // on an exception, `lib` undoes what it registered
-}
+actcore_registration::Registration<quantize_cuda, dequantize_cuda, pack_bits_cuda,
+                                   unpack_bits_cuda, hash_uniform_cuda>
+    registration{c10::DispatchKey::CUDA};
 
 }  // namespace
 }  // namespace actcore_native
@@ -219,14 +210,7 @@ __attribute__((visibility("default"))) int actcore_native_abi_version() {
 // Returns 0, or 1 with the reason in `message` (NUL-terminated, at most `size` bytes).
 __attribute__((visibility("default"))) int actcore_native_register(char* message,
                                                                    size_t size) {
-  try {
-    const std::lock_guard<std::mutex> lock(actcore_native::registration_mutex);
-    if (!actcore_native::registration) actcore_native::register_kernels();
-    return 0;
-  } catch (const std::exception& e) {
-    if (message != nullptr && size > 0) std::snprintf(message, size, "%s", e.what());
-    return 1;
-  }
+  return actcore_native::registration.ensure(message, size);
 }
 
 }  // extern "C"

@@ -1,0 +1,58 @@
+// Registration of one device's kernels for the five actcore::* ops, shared by the CPU
+// (cpu_kernels.cpp) and CUDA (ops.cpp) libraries: one torch::Library for the dispatch key,
+// made once under a lock, undone if any impl fails; errors come back as a message for the
+// loader's warning instead of an abort.
+#pragma once
+
+#include <c10/core/DispatchKey.h>
+#include <torch/library.h>
+
+#include <cstddef>
+#include <cstdio>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+namespace actcore_registration {
+
+template <auto Quantize, auto Dequantize, auto PackBits, auto UnpackBits, auto HashUniform>
+class Registration {
+ public:
+  explicit Registration(c10::DispatchKey key) : key_(key) {}
+
+  // Registers the kernels (later calls do nothing while they are). Returns 0, or 1 with the
+  // reason in `message` (NUL-terminated, at most `size` bytes).
+  int ensure(char* message, std::size_t size) noexcept {
+    try {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      if (!library_) {
+        auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "actcore", key_,
+                                                    __FILE__, __LINE__);
+        lib->impl("quantize", TORCH_FN(Quantize));
+        lib->impl("dequantize", TORCH_FN(Dequantize));
+        lib->impl("pack_bits", TORCH_FN(PackBits));
+        lib->impl("unpack_bits", TORCH_FN(UnpackBits));
+        lib->impl("hash_uniform", TORCH_FN(HashUniform));
+        library_ = std::move(lib);  // on an exception, `lib` undoes what it registered
+      }
+      return 0;
+    } catch (const std::exception& e) {
+      if (message != nullptr && size > 0) std::snprintf(message, size, "%s", e.what());
+      return 1;
+    }
+  }
+
+  // Removes the registration (the ops fall back to their other kernels).
+  void reset() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    library_.reset();
+  }
+
+ private:
+  c10::DispatchKey key_;
+  std::mutex mutex_;
+  std::unique_ptr<torch::Library> library_;
+};
+
+}  // namespace actcore_registration
