@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "op_args.h"
+
 namespace actcore_native {
 
 // Bumped whenever this interface or the registered ops change; loader.py checks it.
@@ -14,32 +16,8 @@ constexpr int kAbiVersion = 1;
 
 enum class Scalar : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 
-// Input viewed as `rows` x `cols` (row-major, contiguous). Outputs are contiguous:
-// payload rows x ceil(cols / 8) * bits bytes, lo and step rows x ceil(cols / group_size)
-// bfloat16 values (passed as their 16-bit patterns).
-struct QuantizeArgs {
-  const void* x;
-  uint8_t* payload;
-  uint16_t* lo;
-  uint16_t* step;
-  int64_t rows;
-  int64_t cols;
-  int64_t group_size;  // a positive multiple of 8
-  int bits;            // 1..8
-  bool stochastic;
-  int64_t seed;
-};
-
-struct DequantizeArgs {
-  const uint8_t* payload;
-  const uint16_t* lo;
-  const uint16_t* step;
-  void* out;
-  int64_t rows;
-  int64_t cols;
-  int64_t group_size;
-  int bits;
-};
+using actcore_kernels::DequantizeArgs;
+using actcore_kernels::QuantizeArgs;
 
 cudaError_t launch_quantize(Scalar dtype, const QuantizeArgs& args, cudaStream_t stream);
 cudaError_t launch_dequantize(Scalar dtype, const DequantizeArgs& args, cudaStream_t stream);

@@ -311,18 +311,7 @@ ACTCORE_INLINE void codes_of(const acc_t* v, int64_t m, acc_t lo, acc_t step, ac
 }
 
 // ---------------------------------------------------------------- quantize
-struct QuantizeArgs {
-  const void* x;  // rows x cols, contiguous
-  uint8_t* payload;
-  uint16_t* lo;
-  uint16_t* step;
-  int64_t rows;
-  int64_t cols;
-  int64_t group_size;
-  int bits;
-  bool stochastic;
-  int64_t seed;
-};
+using actcore_kernels::QuantizeArgs;
 
 // Groups [g0, g1) of quantization.quantize_reference, operation for operation.
 template <typename scalar_t>
@@ -391,16 +380,7 @@ ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, int64_t g0, int64_t g
 }
 
 // ---------------------------------------------------------------- dequantize
-struct DequantizeArgs {
-  const uint8_t* payload;
-  const uint16_t* lo;
-  const uint16_t* step;
-  void* out;
-  int64_t rows;
-  int64_t cols;
-  int64_t group_size;
-  int bits;
-};
+using actcore_kernels::DequantizeArgs;
 
 // code * step + lo in acc_t (two roundings), then to the output dtype (nearest even).
 template <typename scalar_t>
@@ -522,10 +502,13 @@ void check_float(at::ScalarType type, const char* op) {
               op, " takes float32, float16, bfloat16 or float64, got ", type);
 }
 
-using actcore_checks::bf16_ptr;
-using actcore_checks::check_2d;
 using actcore_checks::check_bits;
 using actcore_checks::check_group_size;
+using actcore_checks::check_packed_dtypes;
+using actcore_checks::check_packed_shapes;
+using actcore_checks::dequantize_args;
+using actcore_checks::quantize_args;
+using actcore_checks::quantize_outputs;
 using actcore_checks::rows_and_cols;
 
 // ---------------------------------------------------------------- the ops
@@ -538,23 +521,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x,
   check_bits(bits, op);
   check_group_size(group_size, op);
   const auto [rows, cols] = rows_and_cols(x.sizes(), per_sample);
-  const int64_t groups = (cols + group_size - 1) / group_size;
-  at::Tensor payload = at::empty({rows, (cols + 7) / 8 * bits}, x.options().dtype(at::kByte));
-  at::Tensor lo = at::empty({rows, groups}, x.options().dtype(at::kBFloat16));
-  at::Tensor step = at::empty({rows, groups}, x.options().dtype(at::kBFloat16));
+  auto [payload, lo, step] = quantize_outputs(x, rows, cols, group_size, bits);
   if (rows * cols == 0) return {payload, lo, step};
   const at::Tensor xc = x.contiguous();  // strided inputs: one contiguous copy
-  QuantizeArgs args{};
-  args.x = xc.const_data_ptr();
-  args.payload = payload.mutable_data_ptr<uint8_t>();
-  args.lo = bf16_ptr(lo);
-  args.step = bf16_ptr(step);
-  args.rows = rows;
-  args.cols = cols;
-  args.group_size = group_size;
-  args.bits = static_cast<int>(bits);
-  args.stochastic = stochastic;
-  args.seed = seed;
+  const QuantizeArgs args =
+      quantize_args(xc, payload, lo, step, rows, cols, group_size, bits, stochastic, seed);
   switch (x.scalar_type()) {
     case at::kFloat:
       quantize_parallel<float>(args);
@@ -582,30 +553,15 @@ at::Tensor dequantize_cpu(const at::Tensor& payload, const at::Tensor& lo, const
   check_float(dtype, op);
   check_bits(bits, op);
   check_group_size(group_size, op);
-  TORCH_CHECK(payload.scalar_type() == at::kByte, op, ": payload must be uint8, got ",
-              payload.scalar_type());
-  TORCH_CHECK(lo.scalar_type() == at::kBFloat16 && step.scalar_type() == at::kBFloat16, op,
-              ": lo and step must be bfloat16, got ", lo.scalar_type(), " and ",
-              step.scalar_type());
+  check_packed_dtypes(payload, lo, step, op);
   at::Tensor out = at::empty(shape, payload.options().dtype(dtype));
   const auto [rows, cols] = rows_and_cols(shape, per_sample);
   if (rows * cols == 0) return out;
-  const int64_t groups = (cols + group_size - 1) / group_size;
-  check_2d(payload, rows, (cols + 7) / 8 * bits, op, "payload");
-  check_2d(lo, rows, groups, op, "lo");
-  check_2d(step, rows, groups, op, "step");
+  check_packed_shapes(payload, lo, step, rows, cols, group_size, bits, op);
   const at::Tensor pc = payload.contiguous();
   const at::Tensor lc = lo.contiguous();
   const at::Tensor sc = step.contiguous();
-  DequantizeArgs args{};
-  args.payload = pc.const_data_ptr<uint8_t>();
-  args.lo = bf16_ptr(lc);
-  args.step = bf16_ptr(sc);
-  args.out = out.mutable_data_ptr();
-  args.rows = rows;
-  args.cols = cols;
-  args.group_size = group_size;
-  args.bits = static_cast<int>(bits);
+  const DequantizeArgs args = dequantize_args(pc, lc, sc, out, rows, cols, group_size, bits);
   switch (dtype) {
     case at::kFloat:
       dequantize_parallel<float>(args);

@@ -1,12 +1,17 @@
-// Argument checks and shape helpers shared by the CPU ops (cpu_kernels.cpp) and the CUDA
-// ops (ops.cpp): the same messages and the same row/column view as the Python reference.
+// Argument checks, shape helpers and the kernels' argument structs filled from tensors,
+// shared by the CPU ops (cpu_kernels.cpp) and the CUDA ops (ops.cpp): the same messages and
+// the same row/column view as the Python reference.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <tuple>
 #include <utility>
+
+#include "op_args.h"
 
 namespace actcore_checks {
 
@@ -39,6 +44,72 @@ inline uint16_t* bf16_ptr(at::Tensor& t) {
 }
 inline const uint16_t* bf16_ptr(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.const_data_ptr());
+}
+
+// quantize's outputs for a rows x cols view of `x`: payload (uint8), lo and step (bfloat16).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_outputs(const at::Tensor& x,
+                                                                       int64_t rows, int64_t cols,
+                                                                       int64_t group_size,
+                                                                       int64_t bits) {
+  const int64_t groups = (cols + group_size - 1) / group_size;
+  return {at::empty({rows, (cols + 7) / 8 * bits}, x.options().dtype(at::kByte)),
+          at::empty({rows, groups}, x.options().dtype(at::kBFloat16)),
+          at::empty({rows, groups}, x.options().dtype(at::kBFloat16))};
+}
+
+// The kernel view of quantize (`xc` contiguous; the outputs from quantize_outputs).
+inline actcore_kernels::QuantizeArgs quantize_args(const at::Tensor& xc, at::Tensor& payload,
+                                                   at::Tensor& lo, at::Tensor& step, int64_t rows,
+                                                   int64_t cols, int64_t group_size, int64_t bits,
+                                                   bool stochastic, int64_t seed) {
+  actcore_kernels::QuantizeArgs args{};
+  args.x = xc.const_data_ptr();
+  args.payload = payload.mutable_data_ptr<uint8_t>();
+  args.lo = bf16_ptr(lo);
+  args.step = bf16_ptr(step);
+  args.rows = rows;
+  args.cols = cols;
+  args.group_size = group_size;
+  args.bits = static_cast<int>(bits);
+  args.stochastic = stochastic;
+  args.seed = seed;
+  return args;
+}
+
+// dequantize's inputs: dtypes, and (for a non-empty rows x cols view) their shapes.
+inline void check_packed_dtypes(const at::Tensor& payload, const at::Tensor& lo,
+                                const at::Tensor& step, const char* op) {
+  TORCH_CHECK(payload.scalar_type() == at::kByte, op, ": payload must be uint8, got ",
+              payload.scalar_type());
+  TORCH_CHECK(lo.scalar_type() == at::kBFloat16 && step.scalar_type() == at::kBFloat16, op,
+              ": lo and step must be bfloat16, got ", lo.scalar_type(), " and ",
+              step.scalar_type());
+}
+
+inline void check_packed_shapes(const at::Tensor& payload, const at::Tensor& lo,
+                                const at::Tensor& step, int64_t rows, int64_t cols,
+                                int64_t group_size, int64_t bits, const char* op) {
+  const int64_t groups = (cols + group_size - 1) / group_size;
+  check_2d(payload, rows, (cols + 7) / 8 * bits, op, "payload");
+  check_2d(lo, rows, groups, op, "lo");
+  check_2d(step, rows, groups, op, "step");
+}
+
+// The kernel view of dequantize (`pc`, `lc`, `sc`: contiguous payload, lo, step).
+inline actcore_kernels::DequantizeArgs dequantize_args(const at::Tensor& pc, const at::Tensor& lc,
+                                                       const at::Tensor& sc, at::Tensor& out,
+                                                       int64_t rows, int64_t cols,
+                                                       int64_t group_size, int64_t bits) {
+  actcore_kernels::DequantizeArgs args{};
+  args.payload = pc.const_data_ptr<uint8_t>();
+  args.lo = bf16_ptr(lc);
+  args.step = bf16_ptr(sc);
+  args.out = out.mutable_data_ptr();
+  args.rows = rows;
+  args.cols = cols;
+  args.group_size = group_size;
+  args.bits = static_cast<int>(bits);
+  return args;
 }
 
 }  // namespace actcore_checks

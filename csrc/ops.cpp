@@ -50,10 +50,13 @@ void check_cuda(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got one on ", t.device());
 }
 
-using actcore_checks::bf16_ptr;
-using actcore_checks::check_2d;
 using actcore_checks::check_bits;
 using actcore_checks::check_group_size;
+using actcore_checks::check_packed_dtypes;
+using actcore_checks::check_packed_shapes;
+using actcore_checks::dequantize_args;
+using actcore_checks::quantize_args;
+using actcore_checks::quantize_outputs;
 using actcore_checks::rows_and_cols;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, int64_t bits,
@@ -67,23 +70,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x
   check_group_size(group_size, op);
   const c10::cuda::CUDAGuard guard(x.device());
   const auto [rows, cols] = rows_and_cols(x.sizes(), per_sample);
-  const int64_t groups = (cols + group_size - 1) / group_size;
-  at::Tensor payload = at::empty({rows, (cols + 7) / 8 * bits}, x.options().dtype(at::kByte));
-  at::Tensor lo = at::empty({rows, groups}, x.options().dtype(at::kBFloat16));
-  at::Tensor step = at::empty({rows, groups}, x.options().dtype(at::kBFloat16));
+  auto [payload, lo, step] = quantize_outputs(x, rows, cols, group_size, bits);
   if (rows * cols == 0) return {payload, lo, step};
   const at::Tensor xc = x.contiguous();  // strided inputs: one contiguous copy
-  QuantizeArgs args{};
-  args.x = xc.const_data_ptr();
-  args.payload = payload.mutable_data_ptr<uint8_t>();
-  args.lo = bf16_ptr(lo);
-  args.step = bf16_ptr(step);
-  args.rows = rows;
-  args.cols = cols;
-  args.group_size = group_size;
-  args.bits = static_cast<int>(bits);
-  args.stochastic = stochastic;
-  args.seed = seed;
+  const QuantizeArgs args =
+      quantize_args(xc, payload, lo, step, rows, cols, group_size, bits, stochastic, seed);
   C10_CUDA_CHECK(launch_quantize(dtype, args, c10::cuda::getCurrentCUDAStream(x.get_device())));
   return {payload, lo, step};
 }
@@ -101,31 +92,16 @@ at::Tensor dequantize_cuda(const at::Tensor& payload, const at::Tensor& lo,
   const Scalar out_dtype = scalar_of(dtype, op);
   check_bits(bits, op);
   check_group_size(group_size, op);
-  TORCH_CHECK(payload.scalar_type() == at::kByte, op, ": payload must be uint8, got ",
-              payload.scalar_type());
-  TORCH_CHECK(lo.scalar_type() == at::kBFloat16 && step.scalar_type() == at::kBFloat16, op,
-              ": lo and step must be bfloat16, got ", lo.scalar_type(), " and ",
-              step.scalar_type());
+  check_packed_dtypes(payload, lo, step, op);
   const c10::cuda::CUDAGuard guard(payload.device());
   at::Tensor out = at::empty(shape, payload.options().dtype(dtype));
   const auto [rows, cols] = rows_and_cols(shape, per_sample);
   if (rows * cols == 0) return out;
-  const int64_t groups = (cols + group_size - 1) / group_size;
-  check_2d(payload, rows, (cols + 7) / 8 * bits, op, "payload");
-  check_2d(lo, rows, groups, op, "lo");
-  check_2d(step, rows, groups, op, "step");
+  check_packed_shapes(payload, lo, step, rows, cols, group_size, bits, op);
   const at::Tensor pc = payload.contiguous();
   const at::Tensor lc = lo.contiguous();
   const at::Tensor sc = step.contiguous();
-  DequantizeArgs args{};
-  args.payload = pc.const_data_ptr<uint8_t>();
-  args.lo = bf16_ptr(lc);
-  args.step = bf16_ptr(sc);
-  args.out = out.mutable_data_ptr();
-  args.rows = rows;
-  args.cols = cols;
-  args.group_size = group_size;
-  args.bits = static_cast<int>(bits);
+  const DequantizeArgs args = dequantize_args(pc, lc, sc, out, rows, cols, group_size, bits);
   C10_CUDA_CHECK(
       launch_dequantize(out_dtype, args, c10::cuda::getCurrentCUDAStream(out.get_device())));
   return out;
