@@ -1,4 +1,4 @@
-"""Cases shared by the native-kernel tests of every device (test_native*.py)."""
+"""Cases and checks shared by the native-kernel tests of every device (test_native*.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,64 @@ import pytest
 import torch
 
 OPCHECK_CASES = 9
+
+
+def assert_same(native: torch.Tensor, reference: torch.Tensor, what: str) -> None:
+    """Equal with atol=0 (NaN equals NaN: NaN bit patterns are not part of the contract)."""
+    assert native.dtype == reference.dtype, what
+    assert native.shape == reference.shape, what
+    a, b = native.cpu(), reference.cpu()
+    if a.is_floating_point():
+        nan_a, nan_b = a.isnan(), b.isnan()
+        assert torch.equal(nan_a, nan_b), f"{what}: NaN positions differ"
+        a, b = a[~nan_a], b[~nan_b]
+    if not torch.equal(a, b):
+        bad = (a != b).nonzero()[:5].flatten().tolist()
+        raise AssertionError(f"{what}: differs at {bad}: {a.flatten()[bad]} vs {b.flatten()[bad]}")
+
+
+def bit_exact_inputs(dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) cases: shapes, layouts, value ranges, special values."""
+    g = torch.Generator().manual_seed(1234)
+
+    def randn(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype)
+
+    info = torch.finfo(dtype)
+    special = randn(4, 128)
+    values = [0.0, -0.0, 1.0, -1.0, info.tiny, -info.tiny, info.max, -info.max, info.eps]
+    values += [info.tiny / 4, -info.tiny / 4]  # subnormals
+    special[0, : len(values)] = torch.tensor(values, dtype=torch.float64).to(dtype)
+    special[1, 5] = float("nan")
+    special[2, 7] = float("inf")
+    special[3, 9] = float("-inf")
+    cases = [
+        ("empty", randn(0, 5)),
+        ("empty-cols", randn(4, 0)),
+        ("scalar", randn(())),
+        ("1d-odd", randn(37)),
+        ("2d", randn(3, 70)),
+        ("3d-odd", randn(3, 5, 37)),
+        ("wide", randn(2, 3000, scale=10, shift=3)),
+        ("tall", randn(257, 9)),
+        ("row-of-8", randn(5, 64)),
+        ("tiny-values", randn(4, 100, scale=1e-30 if dtype == torch.float64 else 1e-3)),
+        ("constant", torch.full((3, 50), 0.1, dtype=dtype)),
+        ("zeros", torch.zeros(2, 40, dtype=dtype)),
+        ("negative-zeros", torch.full((2, 40), -0.0, dtype=dtype)),
+        ("transposed", randn(40, 6).t()),
+        ("sliced", randn(6, 90)[:, ::3]),
+        ("offset", randn(7, 33)[1:]),
+        ("channels-last", randn(2, 3, 5, 7).to(memory_format=torch.channels_last)),
+        ("special", special),
+        ("all-nan", torch.full((2, 24), float("nan"), dtype=dtype)),
+    ]
+    if dtype == torch.float64:
+        cases.append(("beyond-fp32", randn(3, 64, scale=1e300)))
+        cases.append(("below-fp32", randn(3, 64, scale=1e-300)))
+    if dtype == torch.float32:
+        cases.append(("overflowing-range", torch.tensor([[3e38, -3e38] * 8], dtype=dtype)))
+    return cases
 
 
 def opcheck_cases(device: str) -> list[tuple[object, tuple]]:

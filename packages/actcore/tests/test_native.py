@@ -18,7 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from native_cases import OPCHECK_CASES, check_errors_are_clear, opcheck_cases
+from native_cases import (
+    OPCHECK_CASES,
+    assert_same,
+    bit_exact_inputs,
+    check_errors_are_clear,
+    opcheck_cases,
+)
 
 from actcore import ops
 from actcore.native import build, cli, loader
@@ -205,20 +211,6 @@ def test_sources_ship_as_package_data():
 
 
 # ------------------------------------------------------------------------------ GPU
-def _assert_same(native: torch.Tensor, reference: torch.Tensor, what: str) -> None:
-    """Equal with atol=0 (NaN equals NaN: NaN bit patterns are not part of the contract)."""
-    assert native.dtype == reference.dtype, what
-    assert native.shape == reference.shape, what
-    a, b = native.cpu(), reference.cpu()
-    if a.is_floating_point():
-        nan_a, nan_b = a.isnan(), b.isnan()
-        assert torch.equal(nan_a, nan_b), f"{what}: NaN positions differ"
-        a, b = a[~nan_a], b[~nan_b]
-    if not torch.equal(a, b):
-        bad = (a != b).nonzero()[:5].flatten().tolist()
-        raise AssertionError(f"{what}: differs at {bad}: {a.flatten()[bad]} vs {b.flatten()[bad]}")
-
-
 @pytest.fixture(scope="module")
 def native():
     if os.environ.get("ACTCORE_NATIVE", "").lower() in ("0", "off", "false", "no"):
@@ -228,53 +220,6 @@ def native():
     if not loader.load(warn=False):  # a toolkit and a GPU: a failure is a bug
         pytest.fail(f"the CUDA kernels did not load on a GPU machine: {loader.status()['error']}")
     return loader
-
-
-def _special_values(dtype: torch.dtype) -> torch.Tensor:
-    info = torch.finfo(dtype)
-    values = [0.0, -0.0, 1.0, -1.0, info.tiny, -info.tiny, info.max, -info.max, info.eps]
-    values += [info.tiny / 4, -info.tiny / 4]  # subnormals
-    return torch.tensor(values, dtype=torch.float64).to(dtype)
-
-
-def _inputs(dtype: torch.dtype):
-    """(name, cpu tensor) cases: shapes, layouts, value ranges, special values."""
-    g = torch.Generator().manual_seed(1234)
-
-    def randn(*shape, scale=1.0, shift=0.0):
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype)
-
-    cases = [
-        ("empty", randn(0, 5)),
-        ("empty-cols", randn(4, 0)),
-        ("scalar", randn(())),
-        ("1d", randn(37)),
-        ("2d", randn(3, 70)),
-        ("3d-odd", randn(3, 5, 37)),
-        ("wide", randn(2, 3000, scale=10, shift=3)),
-        ("tall", randn(257, 9)),
-        ("row-of-8", randn(5, 64)),
-        ("tiny-values", randn(4, 100, scale=1e-30 if dtype == torch.float64 else 1e-3)),
-        ("constant", torch.full((3, 50), 0.1, dtype=dtype)),
-        ("zeros", torch.zeros(2, 40, dtype=dtype)),
-        ("transposed", randn(40, 6).t()),
-        ("sliced", randn(6, 90)[:, ::3]),
-        ("offset", randn(7, 33)[1:]),
-        ("channels-last", randn(2, 3, 5, 7).to(memory_format=torch.channels_last)),
-    ]
-    special = randn(4, 128)
-    sv = _special_values(dtype)
-    special[0, : sv.numel()] = sv
-    special[1, 5] = float("nan")
-    special[2, 7] = float("inf")
-    special[3, 9] = float("-inf")
-    cases.append(("special", special))
-    if dtype == torch.float64:
-        cases.append(("beyond-fp32", randn(3, 64, scale=1e300)))
-        cases.append(("below-fp32", randn(3, 64, scale=1e-300)))
-    if dtype == torch.float32:
-        cases.append(("overflowing-range", torch.tensor([[3e38, -3e38] * 8], dtype=dtype)))
-    return cases
 
 
 def _quantize_both(x, bits, group_size, stochastic, seed, per_sample):
@@ -289,7 +234,7 @@ def _quantize_both(x, bits, group_size, stochastic, seed, per_sample):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_and_dequantize_are_bit_exact(native, dtype):
     seed = 0x5EED_1234_5678
-    for name, x in _inputs(dtype):
+    for name, x in bit_exact_inputs(dtype):
         for bits in range(1, 9):
             for group_size in (8, 24, 64, 256, 512):
                 for stochastic, per_sample in ((True, True), (False, True), (True, False)):
@@ -297,9 +242,9 @@ def test_quantize_and_dequantize_are_bit_exact(native, dtype):
                     what += f"stochastic={stochastic} per_sample={per_sample}"
                     args = (bits, group_size, stochastic, seed, per_sample)
                     (p, lo, st), (rp, rlo, rst) = _quantize_both(x, *args)
-                    _assert_same(p, rp, f"payload of {what}")
-                    _assert_same(lo, rlo, f"lo of {what}")
-                    _assert_same(st, rst, f"step of {what}")
+                    assert_same(p, rp, f"payload of {what}")
+                    assert_same(lo, rlo, f"lo of {what}")
+                    assert_same(st, rst, f"step of {what}")
                     shape = list(x.shape)
                     y = torch.ops.actcore.dequantize.default(
                         p, lo, st, bits, group_size, shape, dtype, per_sample
@@ -307,7 +252,7 @@ def test_quantize_and_dequantize_are_bit_exact(native, dtype):
                     ry = quantization.dequantize_reference(
                         rp, rlo, rst, bits, group_size, shape, dtype, per_sample
                     )
-                    _assert_same(y, ry, f"dequantize of {what}")
+                    assert_same(y, ry, f"dequantize of {what}")
                     assert y.device.type == "cuda" and y.is_contiguous()
 
 
@@ -318,7 +263,7 @@ def test_front_end_uses_the_kernels_on_cuda(native):
     x = torch.randn(8, 1000, device="cuda", dtype=torch.bfloat16)
     packed = ops.quantize(x, 3, seed=99)
     reference = quantization.quantize_reference(x.cpu(), 3, 256, True, 99, True)
-    _assert_same(packed.payload, reference[0], "payload")
+    assert_same(packed.payload, reference[0], "payload")
     y = ops.dequantize(packed)
     assert y.device == x.device and y.dtype == x.dtype
 
@@ -330,20 +275,20 @@ def test_pack_and_unpack_bits_are_bit_exact(native, bits):
     for n in (0, 1, 7, 8, 9, 63, 64, 1000, 4097):
         values = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)  # high bits too
         packed = torch.ops.actcore.pack_bits.default(values.cuda(), bits)
-        _assert_same(packed, bitpack.pack_bits_reference(values, bits), f"pack n={n}")
+        assert_same(packed, bitpack.pack_bits_reference(values, bits), f"pack n={n}")
         for numel in {n, max(0, n - 3)}:
             out = torch.ops.actcore.unpack_bits.default(packed, bits, numel)
             ref = bitpack.unpack_bits_reference(packed.cpu(), bits, numel)
-            _assert_same(out, ref, f"unpack n={n} numel={numel}")
+            assert_same(out, ref, f"unpack n={n} numel={numel}")
     strided = torch.randint(0, 2**bits, (30, 17), generator=g, dtype=torch.uint8)
-    _assert_same(
+    assert_same(
         torch.ops.actcore.pack_bits.default(strided.cuda().t(), bits),
         bitpack.pack_bits_reference(strided.t(), bits),
         "pack of a transposed tensor",
     )
     odd = torch.randint(0, 2**bits, (1003,), generator=g, dtype=torch.uint8)
     for start in (3, 5):  # a storage offset: blocks of 8 start unaligned
-        _assert_same(
+        assert_same(
             torch.ops.actcore.pack_bits.default(odd.cuda()[start:], bits),
             bitpack.pack_bits_reference(odd[start:].clone(), bits),
             f"pack at offset {start}",
@@ -354,7 +299,7 @@ def test_pack_and_unpack_bits_are_bit_exact(native, bits):
 def test_masks_round_trip_on_cuda(native):
     mask = torch.rand(3, 1001, device="cuda") > 0.5
     packed = ops.pack_mask(mask)
-    _assert_same(packed, ops.pack_mask(mask.cpu()), "packed mask")
+    assert_same(packed, ops.pack_mask(mask.cpu()), "packed mask")
     assert torch.equal(ops.unpack_mask(packed, mask.shape), mask)
 
 
@@ -365,7 +310,7 @@ def test_hash_uniform_is_bit_exact_on_64bit_indices(native):
     index = torch.tensor(big, dtype=torch.int64)
     for seed in (0, 1, 0x1234_5678_9ABC, 2**63 - 1):
         out = torch.ops.actcore.hash_uniform.default(index.cuda(), seed)
-        _assert_same(out, noise.uniform_noise(index, seed), f"hash seed={seed}")
+        assert_same(out, noise.uniform_noise(index, seed), f"hash seed={seed}")
     layouts = {
         "contiguous": torch.arange(2**32 - 500, 2**32 + 500).view(20, 50),
         "transposed": torch.arange(1000).view(20, 50).t(),
@@ -374,7 +319,7 @@ def test_hash_uniform_is_bit_exact_on_64bit_indices(native):
     for name, idx in layouts.items():
         out = torch.ops.actcore.hash_uniform.default(idx.cuda(), 77)
         ref = noise.uniform_noise(idx, 77)
-        _assert_same(out, ref, f"hash of a {name} index")
+        assert_same(out, ref, f"hash of a {name} index")
         assert out.stride() == torch.empty_like(idx, dtype=torch.float32).stride(), name
     empty = torch.ops.actcore.hash_uniform.default(torch.empty(0, 3, dtype=torch.int64).cuda(), 1)
     assert empty.shape == (0, 3) and empty.dtype == torch.float32
@@ -401,8 +346,8 @@ def test_past_2_32_elements(native):
         tail = x[start:stop].cpu().float()
         g0, g1 = start // group_size, -(-stop // group_size)
         _, rlo, rst = quantization.quantize_reference(tail, bits, group_size, False, 0, False)
-        _assert_same(lo[0, g0:g1], rlo[0], f"lo at {start}")
-        _assert_same(step[0, g0:g1], rst[0], f"step at {start}")
+        assert_same(lo[0, g0:g1], rlo[0], f"lo at {start}")
+        assert_same(step[0, g0:g1], rst[0], f"step at {start}")
         # codes by the reference's own formula, with the noise of the true 64-bit indices
         idx = torch.arange(start, stop, dtype=torch.int64)
         u = noise.uniform_noise(idx, seed)
@@ -412,7 +357,7 @@ def test_past_2_32_elements(native):
         expected = (v + u).floor().clamp(0, 2**bits - 1).nan_to_num(0).to(torch.uint8)
         b0, b1 = start // 8 * bits, -(-stop // 8) * bits
         codes = bitpack.unpack_bits_reference(payload[0, b0:b1].cpu(), bits, stop - start)
-        _assert_same(codes, expected, f"codes at {start}")
+        assert_same(codes, expected, f"codes at {start}")
         ry = quantization.dequantize_reference(
             payload[:, b0:b1].cpu(),
             rlo,
@@ -423,7 +368,7 @@ def test_past_2_32_elements(native):
             torch.bfloat16,
             False,
         )
-        _assert_same(y[start:stop], ry, f"dequantize at {start}")
+        assert_same(y[start:stop], ry, f"dequantize at {start}")
 
 
 @needs_gpu

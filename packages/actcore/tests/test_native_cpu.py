@@ -29,7 +29,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from native_cases import OPCHECK_CASES, check_errors_are_clear, opcheck_cases
+from native_cases import (
+    OPCHECK_CASES,
+    assert_same,
+    bit_exact_inputs,
+    check_errors_are_clear,
+    opcheck_cases,
+)
 
 from actcore import ops
 from actcore.native import build, cli, loader
@@ -56,63 +62,6 @@ def native_cpu() -> Iterator[None]:
         yield
 
 
-def _assert_same(native: torch.Tensor, reference: torch.Tensor, what: str) -> None:
-    """torch.equal (atol=0), with NaN equal to NaN (NaN bit patterns are not in the contract)."""
-    assert native.dtype == reference.dtype, what
-    assert native.shape == reference.shape, what
-    a, b = native, reference
-    if a.is_floating_point():
-        nan_a, nan_b = a.isnan(), b.isnan()
-        assert torch.equal(nan_a, nan_b), f"{what}: NaN positions differ"
-        a, b = a[~nan_a], b[~nan_b]
-    if not torch.equal(a, b):
-        bad = (a != b).nonzero()[:5].flatten().tolist()
-        raise AssertionError(f"{what}: differs at {bad}: {a.flatten()[bad]} vs {b.flatten()[bad]}")
-
-
-def _inputs(dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) cases: shapes, layouts, value ranges, special values."""
-    g = torch.Generator().manual_seed(1234)
-
-    def randn(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype)
-
-    info = torch.finfo(dtype)
-    special = randn(4, 128)
-    values = [0.0, -0.0, 1.0, -1.0, info.tiny, -info.tiny, info.max, -info.max, info.eps]
-    values += [info.tiny / 4, -info.tiny / 4]  # subnormals
-    special[0, : len(values)] = torch.tensor(values, dtype=torch.float64).to(dtype)
-    special[1, 5] = float("nan")
-    special[2, 7] = float("inf")
-    special[3, 9] = float("-inf")
-    cases = [
-        ("empty", randn(0, 5)),
-        ("empty-cols", randn(4, 0)),
-        ("scalar", randn(())),
-        ("1d-odd", randn(37)),
-        ("2d", randn(3, 70)),
-        ("3d-odd", randn(3, 5, 37)),
-        ("wide", randn(2, 3000, scale=10, shift=3)),
-        ("tall", randn(257, 9)),
-        ("tiny-values", randn(4, 100, scale=1e-30 if dtype == torch.float64 else 1e-3)),
-        ("constant", torch.full((3, 50), 0.1, dtype=dtype)),
-        ("zeros", torch.zeros(2, 40, dtype=dtype)),
-        ("negative-zeros", torch.full((2, 40), -0.0, dtype=dtype)),
-        ("transposed", randn(40, 6).t()),
-        ("sliced", randn(6, 90)[:, ::3]),
-        ("offset", randn(7, 33)[1:]),
-        ("channels-last", randn(2, 3, 5, 7).to(memory_format=torch.channels_last)),
-        ("special", special),
-        ("all-nan", torch.full((2, 24), float("nan"), dtype=dtype)),
-    ]
-    if dtype == torch.float64:
-        cases.append(("beyond-fp32", randn(3, 64, scale=1e300)))
-        cases.append(("below-fp32", randn(3, 64, scale=1e-300)))
-    if dtype == torch.float32:
-        cases.append(("overflowing-range", torch.tensor([[3e38, -3e38] * 8], dtype=dtype)))
-    return cases
-
-
 def _check_round_trip(
     x: torch.Tensor, bits: int, group_size: int, stochastic: bool, per_sample: bool, name: str
 ) -> None:
@@ -121,9 +70,9 @@ def _check_round_trip(
     args = (bits, group_size, stochastic, SEED if stochastic else 0, per_sample)
     p, lo, st = torch.ops.actcore.quantize.default(x, *args)
     rp, rlo, rst = quantization.quantize_reference(x, *args)
-    _assert_same(p, rp, f"payload of {what}")
-    _assert_same(lo, rlo, f"lo of {what}")
-    _assert_same(st, rst, f"step of {what}")
+    assert_same(p, rp, f"payload of {what}")
+    assert_same(lo, rlo, f"lo of {what}")
+    assert_same(st, rst, f"step of {what}")
     shape = list(x.shape)
     y = torch.ops.actcore.dequantize.default(
         p, lo, st, bits, group_size, shape, x.dtype, per_sample
@@ -131,14 +80,14 @@ def _check_round_trip(
     ry = quantization.dequantize_reference(
         rp, rlo, rst, bits, group_size, shape, x.dtype, per_sample
     )
-    _assert_same(y, ry, f"dequantize of {what}")
+    assert_same(y, ry, f"dequantize of {what}")
     assert y.is_contiguous()
 
 
 # ------------------------------------------------------------------------------ exactness
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_and_dequantize_are_bit_exact(native_cpu, dtype):
-    for name, x in _inputs(dtype):
+    for name, x in bit_exact_inputs(dtype):
         for bits in range(1, 9):
             for group_size in GROUP_SIZES:
                 for stochastic, per_sample in MODES:
@@ -179,20 +128,20 @@ def test_pack_and_unpack_bits_are_bit_exact(native_cpu, bits):
     for n in (0, 1, 7, 8, 9, 63, 64, 1000, 4097, 70_001):
         values = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)  # high bits too
         packed = torch.ops.actcore.pack_bits.default(values, bits)
-        _assert_same(packed, bitpack.pack_bits_reference(values, bits), f"pack n={n}")
+        assert_same(packed, bitpack.pack_bits_reference(values, bits), f"pack n={n}")
         for numel in {n, max(0, n - 3)}:
             out = torch.ops.actcore.unpack_bits.default(packed, bits, numel)
             ref = bitpack.unpack_bits_reference(packed, bits, numel)
-            _assert_same(out, ref, f"unpack n={n} numel={numel}")
+            assert_same(out, ref, f"unpack n={n} numel={numel}")
     strided = torch.randint(0, 2**bits, (30, 17), generator=g, dtype=torch.uint8)
-    _assert_same(
+    assert_same(
         torch.ops.actcore.pack_bits.default(strided.t(), bits),
         bitpack.pack_bits_reference(strided.t(), bits),
         "pack of a transposed tensor",
     )
     odd = torch.randint(0, 2**bits, (1003,), generator=g, dtype=torch.uint8)
     for start in (3, 5):  # a storage offset: blocks of 8 start unaligned
-        _assert_same(
+        assert_same(
             torch.ops.actcore.pack_bits.default(odd[start:], bits),
             bitpack.pack_bits_reference(odd[start:].clone(), bits),
             f"pack at offset {start}",
@@ -202,7 +151,7 @@ def test_pack_and_unpack_bits_are_bit_exact(native_cpu, bits):
 def test_masks_round_trip(native_cpu):
     mask = torch.rand(3, 1001) > 0.5
     packed = ops.pack_mask(mask)
-    _assert_same(
+    assert_same(
         packed, bitpack.pack_bits_reference(mask.reshape(-1).view(torch.uint8), 1), "packed mask"
     )
     assert torch.equal(ops.unpack_mask(packed, mask.shape), mask)
@@ -214,7 +163,7 @@ def test_hash_uniform_is_bit_exact_on_64bit_indices(native_cpu):
     index = torch.tensor(big, dtype=torch.int64)
     for seed in (0, 1, 0x1234_5678_9ABC, 2**63 - 1):
         out = torch.ops.actcore.hash_uniform.default(index, seed)
-        _assert_same(out, noise.uniform_noise(index, seed), f"hash seed={seed}")
+        assert_same(out, noise.uniform_noise(index, seed), f"hash seed={seed}")
     layouts = {
         "across-2**32": torch.arange(2**32 - 500, 2**32 + 500).view(20, 50),
         "transposed": torch.arange(1000).view(20, 50).t(),
@@ -223,7 +172,7 @@ def test_hash_uniform_is_bit_exact_on_64bit_indices(native_cpu):
     }
     for name, idx in layouts.items():
         out = torch.ops.actcore.hash_uniform.default(idx, 77)
-        _assert_same(out, noise.uniform_noise(idx, 77), f"hash of a {name} index")
+        assert_same(out, noise.uniform_noise(idx, 77), f"hash of a {name} index")
         assert out.stride() == torch.empty_like(idx, dtype=torch.float32).stride(), name
     empty = torch.ops.actcore.hash_uniform.default(torch.empty(0, 3, dtype=torch.int64), 1)
     assert empty.shape == (0, 3) and empty.dtype == torch.float32
@@ -240,7 +189,7 @@ def test_noise_of_quantize_uses_64bit_element_indices(native_cpu):
     u = noise.uniform_noise(torch.arange(5 * 333).view(5, 333), SEED)
     v = ((x - lo_c) / st_c).masked_fill(st_c == 0, 0.0)
     expected = (v + u).floor().clamp(0, 7).nan_to_num(0).to(torch.uint8)
-    _assert_same(codes, expected, "codes")
+    assert_same(codes, expected, "codes")
 
 
 def test_the_front_end_runs_the_cpu_kernels(native_cpu):
@@ -249,7 +198,7 @@ def test_the_front_end_runs_the_cpu_kernels(native_cpu):
     x = torch.randn(8, 1000, dtype=torch.bfloat16)
     packed = ops.quantize(x, 3, seed=99)
     reference = quantization.quantize_reference(x, 3, 256, True, 99, True)
-    _assert_same(packed.payload, reference[0], "payload")
+    assert_same(packed.payload, reference[0], "payload")
     assert ops.dequantize(packed).dtype == torch.bfloat16
     info = loader.cpu_status()
     assert info["active"] and info["library"] and info["built"]
