@@ -23,7 +23,7 @@ import ctypes
 import os
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,31 +91,60 @@ def cpu_disabled() -> bool:
     return False if value in _ON else not CPU_DEFAULT_ON
 
 
+def _open(library: str | os.PathLike, prefix: str, abi_version: int) -> ctypes.CDLL:
+    """``library`` loaded, its ``<prefix>_abi_version()`` checked, its register entry typed."""
+    from ..ops import library as _ops  # noqa: F401 - defines the actcore::* schemas
+    from .build import NativeBuildError
+
+    lib = ctypes.CDLL(str(library))
+    abi = getattr(lib, f"{prefix}_abi_version")()
+    if abi != abi_version:
+        raise NativeBuildError(f"{library} has interface version {abi}, expected {abi_version}")
+    entry = getattr(lib, f"{prefix}_register")
+    entry.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    entry.restype = ctypes.c_int
+    return lib
+
+
+def _register_kernels(
+    entry: Any, what: str, key: str, undo: Callable[[], None] | None = None
+) -> None:
+    """Call a library's register ``entry``; check every op now has a ``key`` kernel."""
+    from .build import NativeBuildError
+
+    message = ctypes.create_string_buffer(8192)
+    if entry(message, len(message)) != 0:
+        raise NativeBuildError(
+            f"registering the {what} failed: {message.value.decode(errors='replace')}"
+        )
+    has_kernel = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
+    if has_kernel is not None:
+        missing = [op for op in OPS if not has_kernel(f"actcore::{op}", key)]
+        if missing:
+            if undo is not None:
+                undo()
+            raise NativeBuildError(f"the {what} registered no {key} kernel for {missing}")
+
+
+def _warn_unavailable(what: str, exc: Exception, hint: str, stacklevel: int) -> None:
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    warnings.warn(
+        f"actcore: {what} unavailable ({type(exc).__name__}: {first_line}); using the PyTorch "
+        f"reference implementation. {hint}",
+        NativeUnavailableWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
 def register(library: str | os.PathLike) -> None:
     """Register the kernels of a built library as the ops' CUDA implementation.
 
     The ops must be defined first (importing :mod:`actcore.ops` does it). Runs no kernel.
     """
-    from ..ops import library as _ops  # noqa: F401 - defines the actcore::* schemas
-    from .build import ABI_VERSION, NativeBuildError
+    from .build import ABI_VERSION
 
-    lib = ctypes.CDLL(str(library))
-    abi = lib.actcore_native_abi_version()
-    if abi != ABI_VERSION:
-        raise NativeBuildError(f"{library} has interface version {abi}, expected {ABI_VERSION}")
-    lib.actcore_native_register.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-    lib.actcore_native_register.restype = ctypes.c_int
-    message = ctypes.create_string_buffer(8192)
-    if lib.actcore_native_register(message, len(message)) != 0:
-        raise NativeBuildError(
-            f"registering the CUDA kernels of {library} failed: "
-            f"{message.value.decode(errors='replace')}"
-        )
-    has_kernel = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
-    if has_kernel is not None:
-        missing = [op for op in OPS if not has_kernel(f"actcore::{op}", "CUDA")]
-        if missing:
-            raise NativeBuildError(f"{library} registered no CUDA kernel for {missing}")
+    lib = _open(library, "actcore_native", ABI_VERSION)
+    _register_kernels(lib.actcore_native_register, f"CUDA kernels of {library}", "CUDA")
 
 
 def load(*, warn: bool = True) -> bool:
@@ -142,14 +171,8 @@ def load(*, warn: bool = True) -> bool:
         except Exception as exc:  # any failure: stay on the reference path
             state.error = f"{type(exc).__name__}: {exc}"
             if warn:
-                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                warnings.warn(
-                    f"actcore: CUDA kernels unavailable ({type(exc).__name__}: {first_line}); "
-                    "using the PyTorch reference implementation. `actcore native status` and "
-                    "`actcore native build --check` say more.",
-                    NativeUnavailableWarning,
-                    stacklevel=3,
-                )
+                hint = "`actcore native status` and `actcore native build --check` say more."
+                _warn_unavailable("CUDA kernels", exc, hint, stacklevel=3)
             return False
         state.loaded = True
         state.library = Path(path)
@@ -185,34 +208,16 @@ def call(op: str, *args: Any) -> Any:
 
 # ------------------------------------------------------------------------------ CPU kernels
 def _cpu_library(library: str | os.PathLike) -> ctypes.CDLL:
-    from ..ops import library as _ops  # noqa: F401 - defines the actcore::* schemas
-    from .build import CPU_ABI_VERSION, NativeBuildError
+    from .build import CPU_ABI_VERSION
 
-    lib = ctypes.CDLL(str(library))
-    abi = lib.actcore_cpu_abi_version()
-    if abi != CPU_ABI_VERSION:
-        raise NativeBuildError(f"{library} has interface version {abi}, expected {CPU_ABI_VERSION}")
-    lib.actcore_cpu_register.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-    lib.actcore_cpu_register.restype = ctypes.c_int
+    lib = _open(library, "actcore_cpu", CPU_ABI_VERSION)
     lib.actcore_cpu_unregister.restype = None
     lib.actcore_cpu_uses_avx2.restype = ctypes.c_int
     return lib
 
 
 def _register_cpu(lib: ctypes.CDLL) -> None:
-    from .build import NativeBuildError
-
-    message = ctypes.create_string_buffer(8192)
-    if lib.actcore_cpu_register(message, len(message)) != 0:
-        raise NativeBuildError(
-            f"registering the CPU kernels failed: {message.value.decode(errors='replace')}"
-        )
-    has_kernel = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
-    if has_kernel is not None:
-        missing = [op for op in OPS if not has_kernel(f"actcore::{op}", "CPU")]
-        if missing:
-            lib.actcore_cpu_unregister()
-            raise NativeBuildError(f"the CPU library registered no kernel for {missing}")
+    _register_kernels(lib.actcore_cpu_register, "CPU kernels", "CPU", lib.actcore_cpu_unregister)
 
 
 def _load_cpu(warn: bool) -> bool:
@@ -229,14 +234,8 @@ def _load_cpu(warn: bool) -> bool:
     except Exception as exc:  # any failure: stay on the reference path
         state.error = f"{type(exc).__name__}: {exc}"
         if warn:
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            warnings.warn(
-                f"actcore: CPU kernels unavailable ({type(exc).__name__}: {first_line}); "
-                "using the PyTorch reference implementation. `actcore native status` says "
-                "more; ACTCORE_NATIVE_CPU=0 turns them off.",
-                NativeUnavailableWarning,
-                stacklevel=4,
-            )
+            hint = "`actcore native status` says more; ACTCORE_NATIVE_CPU=0 turns them off."
+            _warn_unavailable("CPU kernels", exc, hint, stacklevel=4)
         return False
     state.active = True
     state.error = None
