@@ -215,20 +215,8 @@ def _validate(args: argparse.Namespace) -> None:
     args.levels = check_levels(_split(args.levels), args.route)
 
 
-def config_from(args: argparse.Namespace) -> AccuracyConfig:
-    return AccuracyConfig(
-        task=args.task,
-        levels=args.levels,
-        seeds=args.seeds,
-        epochs=args.epochs,
-        batch=args.batch,
-        lr=args.lr,
-        route=args.route,
-    )
-
-
 def main(args: argparse.Namespace) -> int:
-    cfg = config_from(args)
+    cfg = report.config_from_args(AccuracyConfig, args)
 
     def runner(rows: list[dict[str, Any]]) -> None:
         total = len(cfg.levels) * cfg.seeds

@@ -19,7 +19,7 @@ import torch
 from .. import ops
 from ..ops.api import check_group_size
 from . import report
-from .maxbatch import EXIT_NO_GPU, no_gpu_message
+from .maxbatch import EXIT_NO_GPU, on_cuda_or_explain
 from .memory import _positive, _split
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -153,21 +153,13 @@ def _validate(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        hint = (
-            "On a CPU the ops run their pure-PyTorch reference; `actcore bench memory` "
-            "shows what they save."
-        )
-        report.console(stderr=True).print(no_gpu_message("kernels", hint), markup=False)
-        return EXIT_NO_GPU
-    cfg = KernelConfig(
-        sizes=args.sizes,
-        bits=args.bits,
-        dtype=args.dtype,
-        group_size=args.group_size,
-        iters=args.iters,
-        device=args.device,
+    hint = (
+        "On a CPU the ops run actcore's C++ CPU kernels; `actcore bench memory` "
+        "shows what they save."
     )
+    if not on_cuda_or_explain(device, "kernels", hint):
+        return EXIT_NO_GPU
+    cfg = report.config_from_args(KernelConfig, args)
     title = (
         f"actcore.ops on {torch.cuda.get_device_name(device)}, {cfg.dtype}, group {cfg.group_size}"
     )

@@ -34,6 +34,14 @@ def no_gpu_message(name: str, hint: str) -> str:
     return f"actcore bench {name} needs a CUDA GPU, and {why}. {hint}"
 
 
+def on_cuda_or_explain(device: torch.device, name: str, hint: str) -> bool:
+    """Whether ``device`` is a usable CUDA device; if not, say why on stderr."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return True
+    report.console(stderr=True).print(no_gpu_message(name, hint), markup=False)
+    return False
+
+
 @dataclass
 class MaxBatchConfig:
     """What ``bench max-batch`` searches."""
@@ -172,23 +180,13 @@ def _validate(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        hint = (
-            "On a CPU, `actcore bench memory` measures the activation memory each level "
-            "saves, which is what lets a larger batch fit."
-        )
-        report.console(stderr=True).print(no_gpu_message("max-batch", hint), markup=False)
-        return EXIT_NO_GPU
-    cfg = MaxBatchConfig(
-        model=args.model,
-        levels=args.levels,
-        route=args.route,
-        amp=args.amp,
-        image_size=args.image_size,
-        start=args.start,
-        limit=args.limit,
-        device=args.device,
+    hint = (
+        "On a CPU, `actcore bench memory` measures the activation memory each level "
+        "saves, which is what lets a larger batch fit."
     )
+    if not on_cuda_or_explain(device, "max-batch", hint):
+        return EXIT_NO_GPU
+    cfg = report.config_from_args(MaxBatchConfig, args)
     title = (
         f"{cfg.model}, {cfg.image_size or default_image_size(cfg.model)}px, route {cfg.route}: "
         f"largest batch on {torch.cuda.get_device_name(device)}"

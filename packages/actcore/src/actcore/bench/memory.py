@@ -226,20 +226,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def config_from(args: argparse.Namespace) -> MemoryConfig:
-    return MemoryConfig(
-        model=args.model,
-        batch=args.batch,
-        levels=args.levels,
-        route=args.route,
-        amp=args.amp,
-        image_size=args.image_size,
-        steps=args.steps,
-        device=args.device,
-        seed=args.seed,
-    )
-
-
 def _validate(args: argparse.Namespace) -> None:
     from .routes import check_levels
 
@@ -263,7 +249,7 @@ def show(cfg: MemoryConfig, rows: list[dict[str, Any]]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = config_from(args)
+    cfg = report.config_from_args(MemoryConfig, args)
     levels = cfg.resolved_levels()
 
     def runner(rows: list[dict[str, Any]]) -> None:

@@ -7,7 +7,9 @@ was measured so far (table and JSON, ``"partial": true``) and exits 130.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -18,11 +20,12 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 EXIT_INTERRUPTED = 130
+_Config = TypeVar("_Config")
 
 
 def cpu_model() -> str:
@@ -98,6 +101,11 @@ def _clean(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_clean(v) for v in value]
     return value
+
+
+def config_from_args(cls: type[_Config], args: argparse.Namespace) -> _Config:
+    """A benchmark's config dataclass, every field read from the parsed argument of its name."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:

@@ -173,16 +173,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = SweepConfig(
-        model=args.model,
-        levels=args.levels,
-        batches=args.batches,
-        route=args.route,
-        amp=args.amp,
-        image_size=args.image_size,
-        steps=args.steps,
-        device=args.device,
-    )
+    cfg = report.config_from_args(SweepConfig, args)
     size = cfg.image_size or default_image_size(cfg.model)
     title = f"{cfg.model} {size}x{size}, route {cfg.route}: throughput by batch size"
 
