@@ -31,6 +31,7 @@ from actcore import ops
 from actcore.compressors import IDENTITY, Compressor, Quantize, Swap
 from actcore.config import LevelSpec, config, level_spec
 from actcore.engine import CONV, choose, needs_saving, stash, unstash
+from actcore.layers.functions import dropout_backward, dropout_with_mask
 
 log = logging.getLogger("act_hf")
 
@@ -113,24 +114,6 @@ def _probabilities(scores: torch.Tensor, q_dtype, v_dtype, upcast: bool, to_valu
     return probs
 
 
-def _dropout(probs: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``F.dropout(probs, p, training=True)`` (same random stream and result) and its mask."""
-    if probs.device.type in ("cuda", "xpu") and probs.numel() > 0:
-        out, mask = aten.native_dropout(probs, p, True)
-        return out, mask
-    noise = torch.empty_like(probs).bernoulli_(1 - p)
-    mask = noise.bool()
-    noise.div_(1 - p)
-    return probs * noise, mask
-
-
-def _undrop(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
-    """What dropout with ``mask`` makes of ``x`` (also its backward for a gradient ``x``)."""
-    if x.device.type in ("cuda", "xpu"):
-        return aten.native_dropout_backward(x, mask, 1.0 / (1 - p))
-    return x * mask.to(x.dtype).div_(1 - p)
-
-
 class AttentionFunction(torch.autograd.Function):
     """Eager attention ``(softmax(q k^T * scaling + mask) -> dropout) @ v`` whose saved
     tensors go through actcore's compressors. Returns ``(output, probabilities)``, both
@@ -144,7 +127,7 @@ class AttentionFunction(torch.autograd.Function):
         if mask is not None:
             scores = scores + mask
         probs = _probabilities(scores, q.dtype, v.dtype, upcast, to_value)
-        dropped, drop_mask = _dropout(probs, p) if p > 0 else (probs, None)
+        dropped, drop_mask = dropout_with_mask(probs, p) if p > 0 else (probs, None)
         out = torch.matmul(dropped, v)
         ctx.meta = (scores.dtype, probs.dtype, out.dtype, q.dtype, k.dtype, v.dtype, upcast, p)
         ctx.mask_shape = None if mask is None else (mask.shape, mask.dtype)
@@ -176,14 +159,14 @@ class AttentionFunction(torch.autograd.Function):
         if grad_out is not None:
             g = grad_out.to(mm_dtype)
             if need_v:
-                dropped = probs if drop_mask is None else _undrop(probs, drop_mask, p)
+                dropped = probs if drop_mask is None else dropout_backward(probs, drop_mask, p)
                 gv = torch.matmul(dropped.to(mm_dtype).transpose(-2, -1), g).to(v_dtype)
             d_dropped = torch.matmul(g, v.to(mm_dtype).transpose(-2, -1)).to(probs_dtype)
         if grad_probs is not None:
             gp = grad_probs.to(probs_dtype)
             d_dropped = gp if d_dropped is None else d_dropped + gp
         if d_dropped is not None and (need_q or need_k or need_mask):
-            d_probs = d_dropped if drop_mask is None else _undrop(d_dropped, drop_mask, p)
+            d_probs = d_dropped if drop_mask is None else dropout_backward(d_dropped, drop_mask, p)
             soft_dtype = torch.float32 if upcast else scores_dtype
             d_scores = aten._softmax_backward_data(
                 d_probs.to(soft_dtype), probs.to(soft_dtype), -1, scores_dtype

@@ -30,11 +30,9 @@ from actcore import ops
 from actcore.compressors import IDENTITY, Compressor, Quantize, Swap
 from actcore.config import config
 from actcore.engine import CONV, choose, layer_spec, stash, unstash
+from actcore.layers.functions import dropout_backward, dropout_with_mask
 
 from .graph import Graph
-
-aten = torch.ops.aten
-
 
 # --------------------------------------------------------------------------------------------
 # Compressor choice
@@ -191,17 +189,6 @@ class LinearAggregation(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
-def dropout_with_mask(x: Tensor, p: float) -> tuple[Tensor, Tensor]:
-    """``F.dropout(x, p, training=True)`` (same random stream, same output) and its keep mask."""
-    if x.device.type in ("cuda", "xpu") and x.numel() > 0:
-        out, mask = aten.native_dropout(x, p, True)
-        return out, mask
-    noise = torch.empty_like(x).bernoulli_(1 - p)
-    mask = noise.bool()
-    noise.div_(1 - p)
-    return x * noise, mask
-
-
 class GATAttention(torch.autograd.Function):
     """GATConv's attention and aggregation over ``h = lin(x).view(N, H, C)``.
 
@@ -258,7 +245,7 @@ class GATAttention(torch.autograd.Function):
         a = alpha
         if drop is not None:
             keep = ops.unpack_mask(drop, shape)
-            a = alpha * keep.to(alpha.dtype).div_(1 - ctx.p) if ctx.p < 1 else alpha * 0.0
+            a = dropout_backward(alpha, keep, ctx.p) if ctx.p < 1 else alpha * 0.0
         grad = grad.contiguous()
         # out[i] = sum_e a_e h[j_e]
         g_dst = grad.index_select(0, dst)  # E x H x C, transient
@@ -266,7 +253,7 @@ class GATAttention(torch.autograd.Function):
         g_a = (g_dst * h.index_select(0, src)).sum(-1)  # E x H
         del g_dst
         if drop is not None:
-            g_alpha = g_a * keep.to(g_a.dtype).div_(1 - ctx.p) if ctx.p < 1 else g_a * 0.0
+            g_alpha = dropout_backward(g_a, keep, ctx.p) if ctx.p < 1 else g_a * 0.0
         else:
             g_alpha = g_a
         # softmax over the edges into each node i: g_e = alpha (g_alpha - sum alpha g_alpha)

@@ -381,22 +381,35 @@ def note_output_mask(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def dropout_with_mask(
+    x: torch.Tensor, p: float, inplace: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F.dropout(x, p, training=True, inplace)`` (same random stream, same result) and its
+    keep mask (bool)."""
+    if x.device.type in ("cuda", "xpu") and x.numel() > 0:
+        out, mask = aten.native_dropout(x, p, True)  # what F.dropout runs there
+        return (x.copy_(out) if inplace else out), mask
+    # F.dropout on CPU: x * (bernoulli(1 - p) / (1 - p))
+    noise = torch.empty_like(x).bernoulli_(1 - p)
+    mask = noise.bool()
+    noise.div_(1 - p)
+    return (x.mul_(noise) if inplace else x * noise), mask
+
+
+def dropout_backward(grad: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """The gradient through dropout with keep ``mask`` (also: what it makes of a tensor)."""
+    if grad.device.type in ("cuda", "xpu"):
+        return aten.native_dropout_backward(grad, mask, 1.0 / (1 - p))
+    return grad * mask.to(grad.dtype).div_(1 - p)
+
+
 class DropoutFunction(torch.autograd.Function):
     """Dropout with its mask at 1 bit; same random stream and output as ``F.dropout``."""
 
     @staticmethod
     def forward(ctx, x, p, inplace, layer):
-        ctx.p, ctx.shape, ctx.dtype = p, x.shape, x.dtype
-        if x.device.type in ("cuda", "xpu") and x.numel() > 0:
-            out, mask = aten.native_dropout(x, p, True)  # what F.dropout runs there
-            if inplace:
-                x.copy_(out)
-                out = x
-        else:  # F.dropout on CPU: x * (bernoulli(1 - p) / (1 - p))
-            noise = torch.empty_like(x).bernoulli_(1 - p)
-            mask = noise.bool()
-            noise.div_(1 - p)
-            out = x.mul_(noise) if inplace else x * noise
+        ctx.p, ctx.shape = p, x.shape
+        out, mask = dropout_with_mask(x, p, inplace)
         if inplace:
             ctx.mark_dirty(x)
         stash(ctx, layer, [(ops.pack_mask(mask), IDENTITY)])
@@ -406,10 +419,7 @@ class DropoutFunction(torch.autograd.Function):
     def backward(ctx, grad):
         (packed,) = unstash(ctx)
         mask = ops.unpack_mask(packed, ctx.shape)
-        if grad.device.type in ("cuda", "xpu"):
-            return aten.native_dropout_backward(grad, mask, 1.0 / (1 - ctx.p)), None, None, None
-        noise = mask.to(ctx.dtype).div_(1 - ctx.p)
-        return grad * noise, None, None, None
+        return dropout_backward(grad, mask, ctx.p), None, None, None
 
 
 class MaxPoolFunction(torch.autograd.Function):
