@@ -504,9 +504,13 @@ void check_float(at::ScalarType type, const char* op) {
 
 using actcore_checks::check_bits;
 using actcore_checks::check_group_size;
+using actcore_checks::check_hash_index;
+using actcore_checks::check_pack_values;
 using actcore_checks::check_packed_dtypes;
 using actcore_checks::check_packed_shapes;
+using actcore_checks::check_unpack_payload;
 using actcore_checks::dequantize_args;
+using actcore_checks::hash_buffers;
 using actcore_checks::quantize_args;
 using actcore_checks::quantize_outputs;
 using actcore_checks::rows_and_cols;
@@ -583,8 +587,7 @@ at::Tensor pack_bits_cpu(const at::Tensor& values, int64_t bits) {
   constexpr const char* op = "actcore::pack_bits";
   check_cpu(values, op, "values");
   check_bits(bits, op);
-  TORCH_CHECK(values.scalar_type() == at::kByte, op, " takes uint8 values, got ",
-              values.scalar_type());
+  check_pack_values(values, op);
   const int64_t n = values.numel();
   at::Tensor packed = at::empty({(n + 7) / 8 * bits}, values.options());
   if (n == 0) return packed;
@@ -601,13 +604,7 @@ at::Tensor unpack_bits_cpu(const at::Tensor& packed, int64_t bits, int64_t numel
   constexpr const char* op = "actcore::unpack_bits";
   check_cpu(packed, op, "packed");
   check_bits(bits, op);
-  TORCH_CHECK(packed.scalar_type() == at::kByte, op, " takes a uint8 payload, got ",
-              packed.scalar_type());
-  TORCH_CHECK(packed.numel() % bits == 0, op, ": a payload of ", bits,
-              "-bit values holds a multiple of ", bits, " bytes, got ", packed.numel());
-  TORCH_CHECK(numel >= 0 && (numel + 7) / 8 <= packed.numel() / bits, op, ": a payload of ",
-              packed.numel(), " bytes holds at most ", packed.numel() / bits * 8, " values of ",
-              bits, " bits, asked for ", numel);
+  check_unpack_payload(packed, bits, numel, op);
   at::Tensor values = at::empty({numel}, packed.options());
   if (numel == 0) return values;
   const at::Tensor pc = packed.contiguous();
@@ -622,20 +619,9 @@ at::Tensor unpack_bits_cpu(const at::Tensor& packed, int64_t bits, int64_t numel
 at::Tensor hash_uniform_cpu(const at::Tensor& index, int64_t seed) {
   constexpr const char* op = "actcore::hash_uniform";
   check_cpu(index, op, "index");
-  TORCH_CHECK(index.scalar_type() == at::kLong, op, " takes int64 indices, got ",
-              index.scalar_type());
+  check_hash_index(index, op);
   if (index.numel() == 0) return at::empty(index.sizes(), index.options().dtype(at::kFloat));
-  // The layout of empty_like (what the fake kernel promises); a non-dense input is first
-  // copied into that layout, so input and output walk the same memory order.
-  at::Tensor out = at::empty_like(index, index.options().dtype(at::kFloat));
-  at::Tensor src = index;
-  if (src.strides() != out.strides()) {
-    src = at::empty_like(index);
-    src.copy_(index);
-  }
-  TORCH_CHECK(src.strides() == out.strides() && out.is_non_overlapping_and_dense(), op,
-              ": internal error, layouts of index ", src.strides(), " and output ",
-              out.strides(), " differ");
+  const auto [out, src] = hash_buffers(index, op);
   const int64_t* in = src.const_data_ptr<int64_t>();
   float* o = out.mutable_data_ptr<float>();
   at::parallel_for(0, index.numel(), kGrainElements,

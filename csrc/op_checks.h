@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
@@ -110,6 +111,44 @@ inline actcore_kernels::DequantizeArgs dequantize_args(const at::Tensor& pc, con
   args.group_size = group_size;
   args.bits = static_cast<int>(bits);
   return args;
+}
+
+// pack_bits' values and unpack_bits' payload: uint8, and a payload long enough for `numel`.
+inline void check_pack_values(const at::Tensor& values, const char* op) {
+  TORCH_CHECK(values.scalar_type() == at::kByte, op, " takes uint8 values, got ",
+              values.scalar_type());
+}
+
+inline void check_unpack_payload(const at::Tensor& packed, int64_t bits, int64_t numel,
+                                 const char* op) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte, op, " takes a uint8 payload, got ",
+              packed.scalar_type());
+  TORCH_CHECK(packed.numel() % bits == 0, op, ": a payload of ", bits,
+              "-bit values holds a multiple of ", bits, " bytes, got ", packed.numel());
+  TORCH_CHECK(numel >= 0 && (numel + 7) / 8 <= packed.numel() / bits, op, ": a payload of ",
+              packed.numel(), " bytes holds at most ", packed.numel() / bits * 8, " values of ",
+              bits, " bits, asked for ", numel);
+}
+
+inline void check_hash_index(const at::Tensor& index, const char* op) {
+  TORCH_CHECK(index.scalar_type() == at::kLong, op, " takes int64 indices, got ",
+              index.scalar_type());
+}
+
+// hash_uniform's (output, input in the output's layout) for a non-empty `index`: the output
+// has empty_like's layout (what the fake kernel promises); a non-dense input is first copied
+// into that layout, so input and output walk the same memory order.
+inline std::pair<at::Tensor, at::Tensor> hash_buffers(const at::Tensor& index, const char* op) {
+  at::Tensor out = at::empty_like(index, index.options().dtype(at::kFloat));
+  at::Tensor src = index;
+  if (src.strides() != out.strides()) {
+    src = at::empty_like(index);
+    src.copy_(index);
+  }
+  TORCH_CHECK(src.strides() == out.strides() && out.is_non_overlapping_and_dense(), op,
+              ": internal error, layouts of index ", src.strides(), " and output ",
+              out.strides(), " differ");
+  return {out, src};
 }
 
 }  // namespace actcore_checks

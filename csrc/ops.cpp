@@ -52,9 +52,13 @@ void check_cuda(const at::Tensor& t, const char* op, const char* name) {
 
 using actcore_checks::check_bits;
 using actcore_checks::check_group_size;
+using actcore_checks::check_hash_index;
+using actcore_checks::check_pack_values;
 using actcore_checks::check_packed_dtypes;
 using actcore_checks::check_packed_shapes;
+using actcore_checks::check_unpack_payload;
 using actcore_checks::dequantize_args;
+using actcore_checks::hash_buffers;
 using actcore_checks::quantize_args;
 using actcore_checks::quantize_outputs;
 using actcore_checks::rows_and_cols;
@@ -111,8 +115,7 @@ at::Tensor pack_bits_cuda(const at::Tensor& values, int64_t bits) {
   constexpr const char* op = "actcore::pack_bits";
   check_cuda(values, op, "values");
   check_bits(bits, op);
-  TORCH_CHECK(values.scalar_type() == at::kByte, op, " takes uint8 values, got ",
-              values.scalar_type());
+  check_pack_values(values, op);
   const c10::cuda::CUDAGuard guard(values.device());
   const int64_t n = values.numel();
   at::Tensor packed = at::empty({(n + 7) / 8 * bits}, values.options());
@@ -128,13 +131,7 @@ at::Tensor unpack_bits_cuda(const at::Tensor& packed, int64_t bits, int64_t nume
   constexpr const char* op = "actcore::unpack_bits";
   check_cuda(packed, op, "packed");
   check_bits(bits, op);
-  TORCH_CHECK(packed.scalar_type() == at::kByte, op, " takes a uint8 payload, got ",
-              packed.scalar_type());
-  TORCH_CHECK(packed.numel() % bits == 0, op, ": a payload of ", bits,
-              "-bit values holds a multiple of ", bits, " bytes, got ", packed.numel());
-  TORCH_CHECK(numel >= 0 && (numel + 7) / 8 <= packed.numel() / bits, op, ": a payload of ",
-              packed.numel(), " bytes holds at most ", packed.numel() / bits * 8, " values of ",
-              bits, " bits, asked for ", numel);
+  check_unpack_payload(packed, bits, numel, op);
   const c10::cuda::CUDAGuard guard(packed.device());
   at::Tensor values = at::empty({numel}, packed.options());
   if (numel == 0) return values;
@@ -148,21 +145,10 @@ at::Tensor unpack_bits_cuda(const at::Tensor& packed, int64_t bits, int64_t nume
 at::Tensor hash_uniform_cuda(const at::Tensor& index, int64_t seed) {
   constexpr const char* op = "actcore::hash_uniform";
   check_cuda(index, op, "index");
-  TORCH_CHECK(index.scalar_type() == at::kLong, op, " takes int64 indices, got ",
-              index.scalar_type());
+  check_hash_index(index, op);
   const c10::cuda::CUDAGuard guard(index.device());
   if (index.numel() == 0) return at::empty(index.sizes(), index.options().dtype(at::kFloat));
-  // Same layout as the input (dense strides in the input's order); a non-dense input is
-  // first copied into that layout, so both walk the same memory order.
-  at::Tensor out = at::empty_like(index, index.options().dtype(at::kFloat));
-  at::Tensor src = index;
-  if (src.strides() != out.strides()) {
-    src = at::empty_like(index);
-    src.copy_(index);
-  }
-  TORCH_CHECK(src.strides() == out.strides() && out.is_non_overlapping_and_dense(), op,
-              ": internal error, layouts of index ", src.strides(), " and output ",
-              out.strides(), " differ");
+  const auto [out, src] = hash_buffers(index, op);
   C10_CUDA_CHECK(launch_hash_uniform(src.const_data_ptr<int64_t>(), out.mutable_data_ptr<float>(),
                                      index.numel(), seed,
                                      c10::cuda::getCurrentCUDAStream(index.get_device())));
