@@ -80,8 +80,9 @@ def test_compressed_under_checkpoint_finite_and_close(level: str) -> None:
 
 
 def test_retained_bytes_checkpoint_plus_l3_at_most_checkpoint_alone() -> None:
-    """Checkpoint wins inside its region: it keeps the region's input in full precision
-    (here 8 x 16 x 16 x 16 fp32), whatever the level; L3 compresses what is outside."""
+    """Checkpoint wins inside its region; what it keeps, the region's input (here
+    8 x 16 x 16 x 16 fp32), goes through convert's hooks and is compressed too, as is
+    everything outside the region. With ``layers_only`` the region's input stays fp32."""
     held = {}
     for label, model in {
         "plain": _net(False, None),
@@ -97,7 +98,12 @@ def test_retained_bytes_checkpoint_plus_l3_at_most_checkpoint_alone() -> None:
     assert held["checkpoint"] < held["plain"]
     assert held["checkpoint + L3"] <= held["checkpoint"]
     region_input = 8 * 16 * 16 * 16 * 4
-    assert region_input <= held["checkpoint + L3"] < held["checkpoint"] - region_input // 2
+    assert held["checkpoint + L3"] < region_input // 4 < held["checkpoint"] // 4
+    layers_only = actcore.convert(_net(True, None), level="L3", layers_only=True)
+    with memory.track(layers_only) as rep:
+        out = layers_only(X)
+    assert region_input <= rep.retained_bytes < held["checkpoint"] - region_input // 2
+    out.sum().backward()
     print(held)  # e.g. plain 811904, checkpoint 287360, checkpoint + L3 154400, L3 49796
 
 

@@ -85,7 +85,7 @@ def test_saves_outside_comparing_ops_are_still_compressed() -> None:
         h.amax(-1)  # saves h and its result: exact
         torch.exp(h)  # saves its result: compressed
     assert [x.stored is not None for x in handles] == [True, False, False, True]
-    assert engine._exact is None  # the mode is popped on exit
+    assert not engine.active and torch._C._len_torch_function_stack() == 0  # mode popped
 
 
 def test_reduce_argument_and_norm_order_decide() -> None:

@@ -82,7 +82,7 @@ def test_swap_keeps_forward_bitwise_and_state_dict(act: nn.Module, route: str) -
 
 def test_convert_without_fewbit_bits_leaves_smooth_activations_with_reason() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.SiLU(), nn.Hardsigmoid())
-    actcore.convert(model, level="L2")
+    actcore.convert(model, level="L2", fewbit_bits=None)
     assert type(model[1]) is nn.GELU and type(model[2]) is nn.SiLU
     assert model.act_report.left == {"1": SMOOTH_LEFT, "2": SMOOTH_LEFT}
     assert model.act_report.converted["3"] == "Hardsigmoid"  # exact 1-bit mask, always
@@ -91,8 +91,16 @@ def test_convert_without_fewbit_bits_leaves_smooth_activations_with_reason() -> 
     assert model[1].bits == 4 and model[2].bits == 4 and model.act_report.left == {}
     actcore.convert(model, level="L2", fewbit_bits=1)
     assert model[1].bits == 1
-    actcore.convert(model, level="L2")
+    actcore.convert(model, level="L2", fewbit_bits=None)
     assert isinstance(model[1], fewbit.GELU) and model[1].bits == 1
+    # by default the level picks the bits: 4 at L1/L2, 3 at L3 and up, none at L0
+    for level, bits in (("L2", 4), ("L3", 3)):
+        fresh = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+        actcore.convert(fresh, level=level)
+        assert isinstance(fresh[1], fewbit.GELU) and fresh[1].bits == bits
+    fresh = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+    actcore.convert(fresh, level="L0")
+    assert type(fresh[1]) is nn.GELU
 
 
 def test_controller_without_fewbit_bits_leaves_model_alone() -> None:
@@ -191,15 +199,21 @@ def test_mlp_bytes_with_quantized_linears_both_routes(tokens: int) -> None:
         got[f"convert L1 fewbit={fb}"] = _retained(
             actcore.convert(_bert_mlp(), "L1", fewbit_bits=fb), x
         )
+        got[f"convert L1 layers only fewbit={fb}"] = _retained(
+            actcore.convert(_bert_mlp(), "L1", fewbit_bits=fb, layers_only=True), x
+        )
         model = _bert_mlp()
         got[f"Controller L1 fewbit={fb}"] = _retained(
             model, x, actcore.Controller(model, "L1", fewbit_bits=fb)
         )
     assert got == {
-        # convert L1 leaves a plain GELU's input in fp32; the hooks quantize it to 4 bits
-        "convert L1 fewbit=None": q_in + n_mid * 4 + q_mid,
+        # convert's hooks quantize a plain GELU's input to 4 bits, as the Controller's do;
+        # with layers_only it stays in fp32
+        "convert L1 fewbit=None": q_in + q_mid + q_mid,
+        "convert L1 layers only fewbit=None": q_in + n_mid * 4 + q_mid,
         "Controller L1 fewbit=None": q_in + q_mid + q_mid,
         "convert L1 fewbit=3": q_in + gelu_3bit + q_mid,
+        "convert L1 layers only fewbit=3": q_in + gelu_3bit + q_mid,
         "Controller L1 fewbit=3": q_in + gelu_3bit + q_mid,
     }
 

@@ -19,6 +19,7 @@ from transformers.pytorch_utils import Conv1D
 from actcore.engine import CONV, IDENTITY, stash, unstash
 from actcore.fewbit import TableCode, apply, get_table
 from actcore.layers import QLayer
+from actcore.layers.functions import own_output
 
 __all__ = ["FEWBIT_ACTIVATIONS", "Conv1DFunction", "QConv1D", "fewbit_class_for"]
 
@@ -29,7 +30,7 @@ class Conv1DFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
         size_out = (*x.size()[:-1], weight.shape[1])
-        out = torch.addmm(bias, x.view(-1, x.size(-1)), weight).view(size_out)
+        out = own_output(torch.addmm(bias, x.view(-1, x.size(-1)), weight).view(size_out))
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype)
         stash(ctx, layer, [(x if weight.requires_grad else None, CONV), (weight, IDENTITY)])
         return out

@@ -21,6 +21,7 @@ from .config import LevelSpec, config, level_spec
 from .fewbit.convert import SMOOTH_LEFT, fewbit_target, is_fewbit, swap_activation
 from .layers.modules import Q_LAYERS, QLayer, unsupported_reason
 from .policies import POLICY_OPTIONS, Policy, make_policy
+from .scope import attach_scope, detach_scope
 
 log = logging.getLogger("actcore")
 
@@ -34,9 +35,12 @@ class ConversionReport:
     level: str
     converted: dict[str, str] = field(default_factory=dict)  # name -> Q-layer class
     left: dict[str, str] = field(default_factory=dict)  # name -> reason
+    scope: str | None = None  # what compresses the rest of the forward (None: layers only)
 
     def __str__(self) -> str:
         lines = [f"actcore.convert at {self.level}: {len(self.converted)} converted"]
+        if self.scope is not None:
+            lines.append(f"  the rest of the forward: {self.scope}")
         lines += [f"  left {name or '<root>'}: {why}" for name, why in self.left.items()]
         return "\n".join(lines)
 
@@ -65,28 +69,55 @@ def check_exclude(exclude: str | Iterable[Exclude]) -> tuple[Exclude, ...]:
     return rules
 
 
+_DEFAULT = object()
+
+
+def default_fewbit_bits(spec: LevelSpec) -> int | None:
+    """Derivative bits of smooth activations (GELU, SiLU, tanh, ...) at a level.
+
+    None (activations keep their input as the level keeps other tensors) at levels that
+    keep linear inputs in full precision (L0, swap); 4 at 4-bit levels (L1, L2); 3 at 2-bit
+    levels (L3 and up): FewBit's default, whose optimal 3-bit GELU derivative trains as the
+    exact one does in its authors' experiments, at 3/32 of float32's memory.
+    """
+    if spec.conv_bits is None:
+        return None
+    return 4 if spec.conv_bits >= 4 else 3
+
+
 def convert(
     model: nn.Module,
     level: str | None = None,
     *,
     exclude: Iterable[Exclude] = (),
     inplace: bool = True,
-    fewbit_bits: int | None = None,
+    fewbit_bits: int | Any | None = _DEFAULT,
+    layers_only: bool = False,
     policy: str | Policy | None = None,
     **policy_options: Any,
 ) -> nn.Module:
-    """Swap ``model``'s standard layers for Q-layers at ``level`` (default: ``config.level``).
+    """Compress what ``model`` keeps for backward at ``level`` (default: ``config.level``).
+
+    Standard layers become Q-layers (in place: same objects, parameters and ``state_dict``
+    keys), and, unless ``layers_only``, everything else the model's forward saves goes
+    through the saved-tensor hooks under the same level, scoped to the root module's
+    forward (:mod:`actcore.scope`): functional ops, elementwise products, inline attention.
+    Functional ReLU/dropout/activations/normalizations get the Q-layers' tailored
+    compressors (:mod:`actcore.routing`); a tensor a Q-layer packed is not stored twice.
+    Forward outputs are unchanged, bitwise.
 
     ``exclude`` takes module names (fnmatch patterns), module types, or predicates
-    ``(name, module) -> bool``. Idempotent; converting again sets the new level. A layer
-    whose configuration a Q-layer cannot take is left as it is, with a warning. The
-    :class:`ConversionReport` is returned model's ``act_report`` attribute (and logged).
+    ``(name, module) -> bool``: excluded modules keep their class, and what they save stays
+    as it is. Idempotent; converting again sets the new level. A layer whose configuration
+    a Q-layer cannot take is left as it is, with a warning. The :class:`ConversionReport`
+    is the returned model's ``act_report`` attribute (and logged).
 
-    ``fewbit_bits`` (1..4): smooth activations (GELU, SiLU, Tanh, Sigmoid, ELU, Mish,
-    Softplus, Hardswish, ...) become :mod:`actcore.fewbit` modules that keep a
-    ``fewbit_bits``-bit derivative index per element instead of their input; with None they
-    are left (and the report says so). Threshold, Hardsigmoid, Hardshrink and Softshrink
-    always become their few-bit forms (an exact 1-bit mask). Forward outputs are unchanged.
+    ``fewbit_bits`` (1..4, default :func:`default_fewbit_bits` of the level: 3 at L3):
+    smooth activations (GELU, SiLU, Tanh, Sigmoid, ELU, Mish, Softplus, Hardswish, ...)
+    become :mod:`actcore.fewbit` modules that keep a ``fewbit_bits``-bit derivative index per
+    element instead of their input; with None they are left (and the report says so).
+    Threshold, Hardsigmoid, Hardshrink and Softshrink always become their few-bit forms (an
+    exact 1-bit mask).
 
     ``policy`` (``"fixed"``, ``"auto"``, ``"acgc"`` or an :mod:`actcore.policies` Policy, with
     its ``policy_options`` such as ``error_bound=0.1``) picks the bits of each tensor a
@@ -95,8 +126,11 @@ def convert(
     The model's ``act_policy`` (a :class:`PolicyScheme`) then offers ``iterate(backprop)``
     and ``state_dict()`` as :class:`actcore.Controller` does.
     """
+    _check_model(model)
     spec = level_spec(level if level is not None else config.level)
     scheme = _make_scheme(spec, policy, policy_options)
+    if fewbit_bits is _DEFAULT:
+        fewbit_bits = default_fewbit_bits(spec)
     if fewbit_bits is not None:
         from .fewbit.tables import check_bits
 
@@ -109,7 +143,10 @@ def convert(
     if not inplace:
         model = copy.deepcopy(model)
     report = ConversionReport(spec.name)
+    excluded: list[nn.Module] = []
     for name, module in model.named_modules():
+        if exclude and name and is_excluded(name, module, exclude):
+            excluded.append(module)
         if isinstance(module, QLayer):
             module.act_level = spec.name
             report.converted[name] = type(module).__name__
@@ -137,9 +174,27 @@ def convert(
         report.converted[name] = target.__name__
     _set_adaptive(model, spec.adaptive and scheme is None)
     _set_policy(model, scheme)
+    if layers_only or not (spec.compresses or spec.swap):
+        detach_scope(model)
+    else:
+        attach_scope(model, spec, fewbit_bits=fewbit_bits, excluded=excluded)
+    report.scope = None if layers_only else repr(getattr(model, "act_scope", None))
     model.act_report = report
     log.info("%s", report)
     return model
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"actcore.convert takes a torch.nn.Module, got {type(model).__name__}")
+    import torch.jit
+
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(
+            f"actcore.convert cannot change a scripted or traced model ({type(model).__name__}): "
+            "its forward is compiled TorchScript that ignores Q-layers and saved-tensor hooks; "
+            "convert the Python model first, then script or trace it if you must"
+        )
 
 
 def _swap_activation(

@@ -143,7 +143,7 @@ def stash(ctx: Any, layer: Any, items: Sequence[tuple[torch.Tensor | None, str |
             plan.append((0, None, None))
             continue
         comp = how if isinstance(how, Compressor) else choose(layer, how, x)
-        packed, meta = _pack_once(comp, x)
+        comp, packed, meta = _pack_once(comp, x)
         plan.append((len(packed), comp, meta))
         tensors.extend(packed)
     for t in tensors:  # saved-tensor hooks must keep these as they are: see is_stashed
@@ -163,21 +163,68 @@ def is_stashed(t: torch.Tensor) -> bool:
     return record is not None and record.get("stashed", False)
 
 
-def _pack_once(comp: Compressor, x: torch.Tensor) -> tuple[Tensors, Any]:
-    """Pack ``x``, or reuse the packing of the same unchanged tensor that is still held."""
+def _pack_once(comp: Compressor, x: torch.Tensor) -> tuple[Compressor, Tensors, Any]:
+    """Pack ``x``, or reuse a packing of the same unchanged tensor that is still held.
+
+    A packing with the same compressor key is reused first, else the first lossy packing
+    that either route (Q-layers or the saved-tensor hooks) made of ``x``: a tensor two ops
+    keep is stored once. Returns the compressor that unpacks the result (``comp``, or the
+    earlier one).
+    """
     if comp is IDENTITY:
-        return comp.pack(x)
+        tensors, meta = comp.pack(x)
+        return comp, tensors, meta
     record = _records.setdefault(x)
-    key = comp.key()
-    earlier = record.get(key)
+    earlier = _live(record.get(comp.key()))
+    if earlier is None and comp.lossy:
+        earlier = _live(record.get(_FIRST))
     if earlier is not None:
-        refs, meta = earlier
-        tensors = tuple(ref() for ref in refs)
-        if all(t is not None for t in tensors):
-            return tensors, meta
+        return earlier
     tensors, meta = comp.pack(x)
-    record[key] = (tuple(weakref.ref(t) for t in tensors), meta)  # weak: never extends life
-    return tensors, meta
+    remember_packing(x, comp, tensors, meta, record)
+    return comp, tensors, meta
+
+
+_FIRST = "first lossy packing"
+
+
+def _live(entry: Any) -> tuple[Compressor, Tensors, Any] | None:
+    if entry is None:
+        return None
+    comp, refs, meta = entry
+    tensors = tuple(ref() for ref in refs)
+    if any(t is None for t in tensors):
+        return None
+    return comp, tensors, meta
+
+
+def remember_packing(
+    x: torch.Tensor, comp: Compressor, tensors: Tensors, meta: Any, record: dict | None = None
+) -> None:
+    """Record that ``x`` (unchanged since) was packed by ``comp`` into ``tensors``.
+
+    Held weakly (never extends their life). Later saves of ``x`` reuse it: through
+    :func:`stash` (the same compressor, or any lossy one) and through the saved-tensor
+    hooks (:func:`packing_of`).
+    """
+    if record is None:
+        record = _records.setdefault(x)
+    entry = (comp, tuple(weakref.ref(t) for t in tensors), meta)
+    record[comp.key()] = entry
+    if comp.lossy and _live(record.get(_FIRST)) is None:
+        record[_FIRST] = entry
+
+
+def packing_of(x: torch.Tensor) -> tuple[Compressor, Tensors, Any] | None:
+    """The first lossy packing of ``x`` (unchanged since) that is still held, if any."""
+    record = _records.get(x)
+    return None if record is None else _live(record.get(_FIRST))
+
+
+def mask_of(x: torch.Tensor) -> torch.Tensor | None:
+    """The packed 1-bit mask of ``x``'s nonzeros recorded by :func:`note_mask`, if any."""
+    record = _records.get(x)
+    return None if record is None else record.get("mask")
 
 
 def unstash(ctx: Any) -> list[torch.Tensor | None]:

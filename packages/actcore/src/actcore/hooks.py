@@ -41,6 +41,7 @@ data-dependent check, i.e. a device sync per tensor); they are quantized like an
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -50,11 +51,12 @@ import torch
 from torch import Tensor, nn
 
 from . import engine, memory, ops
-from .compressors import Compressor, Quantize, Swap
-from .exact_ops import ExactOps
+from .compressors import Compressor, Quantize, Swap, ZeroValue
+from .op_mode import OpMode, created_by_attention
 
 __all__ = [
     "FLOATS",
+    "PROBABILITY_BITS",
     "MaskBits",
     "SavedTensorCompressor",
     "SeededQuantize",
@@ -63,6 +65,15 @@ __all__ = [
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _RELU_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
+PROBABILITY_BITS = 4
+"""With ``tailored``: least bits of saved softmax / sigmoid / tanh outputs."""
+# outputs in a bounded range whose op computes its derivative from them: kept at
+# PROBABILITY_BITS at least (a softmax's error enters its backward twice)
+_PROBABILITY_NODES = frozenset(
+    {"SoftmaxBackward0", "SafeSoftmaxBackward0", "SigmoidBackward0", "TanhBackward0"}
+)
+# log-probabilities: backward exponentiates them, so a rounding step becomes a factor
+_EXACT_OUTPUT_NODES = frozenset({"LogSoftmaxBackward0"})
 _INPLACE_MSG = (
     "one of the variables needed for gradient computation has been modified by an inplace "
     "operation: [{kind} {shape}] is at version {now}; expected version {then} instead. (Seen "
@@ -248,6 +259,9 @@ class SavedTensorCompressor:
         min_numel: int = 1024,
         group_size: int = 256,
         exact_ops: bool = True,
+        tailored: bool = False,
+        router: Any = None,
+        module_keys: bool = True,
     ) -> None:
         from .policies import as_policy
 
@@ -268,19 +282,23 @@ class SavedTensorCompressor:
         self._frames: list[list] = []  # [name, call, local counter]
         self._calls: dict[str, int] = {}
         self._global = 0
-        self._ctx: Any = None
-        self._exact: ExactOps | None = None
+        self._local = threading.local()  # per thread: the active hooks and mode, suspensions
         self.exact_ops = bool(exact_ops)
+        self.tailored = bool(tailored)
+        self.router = router
+        self.module_keys = bool(module_keys)
         if model is not None:
             self.attach(model)
 
     # ---- model bookkeeping ------------------------------------------------------------------
 
     def attach(self, model: nn.Module) -> None:
-        """Follow ``model``: parameter storages and module-scoped keys."""
+        """Follow ``model``: parameter storages and (with ``module_keys``) module-scoped keys."""
         self.detach_model()
         self.model = model
         self.refresh_params()
+        if not self.module_keys:
+            return
         for name, module in model.named_modules():
             self._module_handles.append(module.register_forward_pre_hook(self._make_pre(name)))
             self._module_handles.append(
@@ -329,32 +347,46 @@ class SavedTensorCompressor:
         self._global += 1
         return f"<outside>:{self._global - 1}"
 
-    # ---- context manager --------------------------------------------------------------------
+    # ---- context manager ---------------------------------------------------------------------
 
     def __enter__(self) -> SavedTensorCompressor:
-        if self._ctx is not None:
+        if getattr(self._local, "hooks", None) is not None:
             raise RuntimeError("these saved-tensor hooks are already active")
         self._global = 0
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self._ctx.__enter__()
-        if self.exact_ops:
-            self._exact = ExactOps()
-            self._exact.__enter__()
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        hooks.__enter__()
+        self._local.hooks = hooks
+        if self.exact_ops or self.router is not None:
+            mode = OpMode(router=self.router, suspended=self.suspended, exact=self.exact_ops)
+            mode.__enter__()
+            self._local.mode = mode
         return self
 
     def __exit__(self, *exc: object) -> None:
-        mode, self._exact = self._exact, None
-        ctx, self._ctx = self._ctx, None
+        mode = getattr(self._local, "mode", None)
+        hooks = getattr(self._local, "hooks", None)
+        self._local.mode = self._local.hooks = None
         try:
             if mode is not None:
                 mode.__exit__(*exc)
         finally:
-            if ctx is not None:
-                ctx.__exit__(*exc)
+            if hooks is not None:
+                hooks.__exit__(*exc)
 
     @property
     def active(self) -> bool:
-        return self._ctx is not None
+        """Whether the hooks are active on this thread."""
+        return getattr(self._local, "hooks", None) is not None
+
+    def suspend(self) -> None:
+        """Keep what is saved from now on as it is (on this thread) until :meth:`resume`."""
+        self._local.suspended = getattr(self._local, "suspended", 0) + 1
+
+    def resume(self) -> None:
+        self._local.suspended = max(0, getattr(self._local, "suspended", 0) - 1)
+
+    def suspended(self) -> bool:
+        return getattr(self._local, "suspended", 0) > 0
 
     # ---- hooks ------------------------------------------------------------------------------
 
@@ -375,6 +407,32 @@ class SavedTensorCompressor:
             memory.note_saved(h.tensor)
         return h
 
+    def _keeps_exact(self, t: Tensor) -> bool:
+        """What the op now saving needs exact (see :mod:`actcore.op_mode`), and, when
+        ``tailored``, log-probabilities and the float constants a forward makes outside the
+        autograd graph (rotary cos/sin, position biases): anything without history that is
+        not on one of the root forward's inputs."""
+        mode = getattr(self._local, "mode", None)
+        if mode is not None:
+            if mode.depth:  # e.g. amax compares x == result
+                return True
+            if created_by_attention(mode, t, _storage_ptr(t)):
+                return True  # sdpa's logsumexp
+        if not self.tailored:
+            return False
+        fn = t.grad_fn
+        if fn is None:
+            if t.requires_grad or not t.is_floating_point():
+                return False
+            inputs = getattr(self._local, "inputs", None)
+            return inputs is not None and _storage_ptr(t) not in inputs
+        return type(fn).__name__ in _EXACT_OUTPUT_NODES
+
+    def set_inputs(self, tensors: Iterable[Any]) -> None:
+        """The root forward's tensor inputs on this thread (``tailored``: other tensors
+        without autograd history are constants of the forward, kept exact)."""
+        self._local.inputs = {_storage_ptr(t) for t in tensors if isinstance(t, Tensor)}
+
     def pack(self, t: Tensor) -> _Handle:
         """The pack hook."""
         if not isinstance(t, Tensor):
@@ -385,9 +443,7 @@ class SavedTensorCompressor:
             return self._passthrough(t, note=False)
         if engine.is_stashed(t):  # a Q-layer packed it already (or needs it exact)
             return self._passthrough(t, note=True)
-        if self._exact is not None and self._exact.depth:  # e.g. amax compares x == result
-            return self._passthrough(t, note=True)
-        if not self.policy.compresses:
+        if self.suspended() or not self.policy.compresses or self._keeps_exact(t):
             return self._passthrough(t, note=True)
         small = t.numel() < self.min_numel
         if small or not (t.dtype in FLOATS or t.dtype == torch.bool) or t.device.type == "meta":
@@ -398,8 +454,23 @@ class SavedTensorCompressor:
             bits = self.policy.bits_for(key)
             if bits is None:
                 return self._passthrough(t, note=True)
+            fn = t.grad_fn
+            if self.tailored and fn is not None and type(fn).__name__ in _PROBABILITY_NODES:
+                bits = max(bits, PROBABILITY_BITS)
         with torch.no_grad():
             return self._pack_compressed(t, key, bits)
+
+    def _reuse(self, t: Tensor, earlier: tuple) -> _Handle:
+        comp, tensors, meta = earlier
+        h = _Handle()
+        h.perm_shape, h.inv_perm, h.expand = t.shape, tuple(range(t.dim())), None
+        h.version = t._version
+        try:
+            h.ref = weakref.ref(t)
+        except TypeError:
+            h.ref = None
+        h.stored = _Stored(comp, tuple(tensors), meta, None)
+        return h
 
     def _pack_compressed(self, t: Tensor, key: str, bits: int | None) -> _Handle:
         canon, inv, expand = _canonical(t)
@@ -425,7 +496,11 @@ class SavedTensorCompressor:
             if src is not None and stored is not None and src._version == t._version:
                 h.stored = stored
                 return h
+        earlier = engine.packing_of(t) if bits is not None else None
+        if earlier is not None:  # a Q-layer packed this very tensor: share its packing
+            return self._reuse(t, earlier)
         data = canon.contiguous()
+        plain = expand is None and inv == tuple(range(t.dim()))  # canon is t's own layout
         mask = None
         if bits is None:
             comp: Compressor = MaskBits()
@@ -435,12 +510,17 @@ class SavedTensorCompressor:
                 comp = SeededQuantize(bits, self.group_size, seed=seeds.get(key, 0))
             else:
                 comp = self._compressor(bits, self.policy.swap)
+            known = engine.mask_of(t) if plain else None
             fn = t.grad_fn
-            if fn is not None and type(fn).__name__ in _RELU_NODES:
+            if known is not None:  # a ReLU's own 1-bit mask: keep the nonzeros only
+                comp = ZeroValue(known, Quantize(bits, self.group_size, per_sample=False))
+            elif fn is not None and type(fn).__name__ in _RELU_NODES:
                 mask = ops.pack_mask(data != 0)
         tensors, meta = comp.pack(data)
         stored = _Stored(comp, tuple(tensors), meta, mask)
         h.stored = stored
+        if plain and mask is None and comp.lossy:  # a Q-layer saving t later reuses it
+            engine.remember_packing(t, comp, tuple(tensors), meta)
         if self.stats is not None and bits is not None:
             self._record_stats(key, bits, data.numel(), tensors, meta)
         if h.ref is not None:

@@ -29,7 +29,9 @@ from .modules import (
     QMaxPool3d,
     QReLU,
     QReLU6,
+    QRMSNorm,
     QSyncBatchNorm,
+    group_norm,
     register_q_layer,
     unsupported_reason,
 )
@@ -59,9 +61,11 @@ __all__ = [
     "QMaxPool1d",
     "QMaxPool2d",
     "QMaxPool3d",
+    "QRMSNorm",
     "QReLU",
     "QReLU6",
     "QSyncBatchNorm",
+    "group_norm",
     "register_q_layer",
     "unsupported_reason",
 ]

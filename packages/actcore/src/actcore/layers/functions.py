@@ -45,6 +45,18 @@ class _Meta:
         return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.shape)
 
 
+def own_output(out: torch.Tensor) -> torch.Tensor:
+    """``out`` as a tensor of its own, not a view (same storage, same values).
+
+    A custom autograd function's output that is a view (``F.linear`` of a 3-D input returns
+    ``addmm(...).view(...)``) cannot be modified in place afterwards; the layer it replaces
+    returns one that can, and models do (``nn.ReLU(inplace=True)`` after a linear).
+    """
+    if out._base is None:
+        return out
+    return aten._unsafe_view(out, out.shape)
+
+
 def _empty_like_shape(x: torch.Tensor) -> _Meta:
     return _Meta(x)
 
@@ -81,8 +93,10 @@ class ConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, args):
         stride, padding, dilation, transposed, output_padding, groups = args
-        out = aten.convolution(
-            x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+        out = own_output(
+            aten.convolution(
+                x, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+            )
         )
         ctx.layer, ctx.args = layer, args
         ctx.bias_sizes = None if bias is None else list(bias.shape)
@@ -115,7 +129,7 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
-        out = torch.nn.functional.linear(x, weight, bias)
+        out = own_output(torch.nn.functional.linear(x, weight, bias))
         stash(ctx, layer, [(x if weight.requires_grad else None, CONV), (weight, IDENTITY)])
         return out
 
@@ -330,6 +344,44 @@ class GroupNormFunction(torch.autograd.Function):
         mask = [ctx.needs_input_grad[i] for i in (0, 2, 3)]
         gx, gw, gb = aten.native_group_norm_backward(grad, x, mean, rstd, weight, *ctx.sizes, mask)
         return gx, None, gw, gb, None, None
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """RMS normalization (``F.rms_norm``) keeping ``x * rstd`` compressed and ``rstd`` exact.
+
+    ``rstd = 1 / sqrt(mean(x^2) + eps)`` per normalized row, in float32 (the precision
+    torch's kernel computes it in for half inputs too). Backward is the analytic one:
+    ``dx = rstd * (g w - x_hat * mean(g w * x_hat))``, ``dw = sum(g * x_hat)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps, layer):
+        out = torch.nn.functional.rms_norm(x, normalized_shape, weight, eps)
+        dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+        eps_value = torch.finfo(x.dtype).eps if eps is None else eps
+        xf = x.float()
+        rstd = xf.square().mean(dims, keepdim=True).add_(eps_value).rsqrt_()
+        ctx.dims, ctx.dtype = dims, x.dtype
+        saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: t.float() * rstd)
+        stash(ctx, layer, [(saved_x, how), (weight, IDENTITY), (rstd, IDENTITY)])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = unstash(ctx)
+        observe(ctx, grad, norm=True)
+        x_hat = x.float() if ctx.normalized else x.float() * rstd
+        g = grad.float()
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        gw = gx = None
+        if need_w:
+            lead = tuple(range(g.dim() - weight.dim()))
+            gw = (g * x_hat).sum(lead).to(weight.dtype) if lead else (g * x_hat).to(weight.dtype)
+        if need_x:
+            gh = g * weight.float() if weight is not None else g
+            gx = rstd * (gh - x_hat * (gh * x_hat).mean(ctx.dims, keepdim=True))
+            gx = gx.to(ctx.dtype)
+        return gx, None, gw, None, None
 
 
 class MaskedActivationFunction(torch.autograd.Function):

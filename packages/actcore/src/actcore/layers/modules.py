@@ -26,6 +26,7 @@ from .functions import (
     LinearFunction,
     MaskedActivationFunction,
     MaxPoolFunction,
+    RMSNormFunction,
     SyncBatchNormFunction,
     note_output_mask,
 )
@@ -294,16 +295,39 @@ def _suggest_memory_format(x: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
+def group_norm(
+    input: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    layer: Any,
+) -> torch.Tensor:
+    """``F.group_norm`` (same output) keeping a compressed normalized input for ``layer``."""
+    input, weight, bias = _autocast("group_norm", input, weight, bias)
+    if input.device.type == "cpu":  # the layout torch's group_norm hands its kernel
+        input = input.contiguous(memory_format=_suggest_memory_format(input))
+    else:
+        input = input.contiguous()
+    return GroupNormFunction.apply(input, num_groups, weight, bias, eps, layer)
+
+
 class QGroupNorm(QLayer, nn.GroupNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight, self.bias):
             return super().forward(input)
-        input, weight, bias = _autocast("group_norm", input, self.weight, self.bias)
-        if input.device.type == "cpu":  # the layout torch's group_norm hands its kernel
-            input = input.contiguous(memory_format=_suggest_memory_format(input))
-        else:
-            input = input.contiguous()
-        return GroupNormFunction.apply(input, self.num_groups, weight, bias, self.eps, self)
+        return group_norm(input, self.num_groups, self.weight, self.bias, self.eps, self)
+
+
+class QRMSNorm(QLayer, nn.RMSNorm):
+    """``nn.RMSNorm`` keeping its normalized input compressed and the exact per-row scale."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self._compresses(input, self.weight):
+            return super().forward(input)
+        return RMSNormFunction.apply(
+            input, list(self.normalized_shape), self.weight, self.eps, self
+        )
 
 
 class _QMasked(QLayer):
@@ -431,6 +455,7 @@ Q_LAYERS: dict[type[nn.Module], type[nn.Module]] = {
     nn.SyncBatchNorm: QSyncBatchNorm,
     nn.LayerNorm: QLayerNorm,
     nn.GroupNorm: QGroupNorm,
+    nn.RMSNorm: QRMSNorm,
     nn.ReLU: QReLU,
     nn.LeakyReLU: QLeakyReLU,
     nn.ReLU6: QReLU6,

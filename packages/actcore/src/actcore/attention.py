@@ -1,0 +1,113 @@
+"""Attention that keeps the model's own kernel and stores only compressed q, k, v.
+
+``F.scaled_dot_product_attention`` (any backend: the CPU flash kernel, the CUDA flash,
+memory-efficient and cuDNN kernels, the math path) keeps q, k, v, its output and a
+``logsumexp`` for backward. Fused backward kernels recompute the probabilities as
+``exp(q k^T * scale - logsumexp)``: with quantized q and k that is no longer normalised and
+the gradient blows up. :class:`AttentionFunction` instead runs the very same call in
+forward (bitwise the same output), keeps q, k, v compressed at the level's bits (the mask
+as it is, the RNG state of dropout exactly), and in backward runs the same call again on the
+restored q, k, v and differentiates it: the gradient is the exact gradient of attention at
+the restored inputs, memory stays linear in the sequence length, and the output itself is
+not kept (the next layer keeps its own copy of it). The cost is one attention forward more
+in backward, as with checkpointing the attention alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from .compressors import IDENTITY
+from .engine import CONV, stash, unstash
+
+__all__ = ["AttentionFunction", "attention"]
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _replayed_rng(state: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device):
+    if state is None:
+        yield
+        return
+    devices = [device] if state[1] is not None else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor:
+    extra = {"enable_gqa": True} if enable_gqa else {}
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra
+    )
+
+
+class AttentionFunction(torch.autograd.Function):
+    """``F.scaled_dot_product_attention`` keeping compressed q, k, v (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, layer):
+        ctx.rng = _rng_state(q.device) if dropout_p > 0 else None
+        out = _sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+        ctx.args = (dropout_p, is_causal, scale, enable_gqa)
+        ctx.device = q.device
+        mask_tensor = mask if isinstance(mask, torch.Tensor) else None
+        ctx.mask_value = None if mask_tensor is not None else mask
+        stash(ctx, layer, [(q, CONV), (k, CONV), (v, CONV), (mask_tensor, IDENTITY)])
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q, k, v, mask = unstash(ctx)
+        if mask is None:
+            mask = ctx.mask_value
+        needs = ctx.needs_input_grad[:4]
+        leaves = []
+        for t, need in zip((q, k, v, mask), needs, strict=True):
+            leaves.append(t.detach().requires_grad_(True) if need and t is not None else t)
+        wanted = [t for t, need in zip(leaves, needs, strict=True) if need and t is not None]
+        hooks = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+        with torch.enable_grad(), hooks, _replayed_rng(ctx.rng, ctx.device):
+            out = _sdpa(*leaves, *ctx.args)
+            found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+        grads = [
+            next(found) if need and t is not None else None
+            for t, need in zip(leaves, needs, strict=True)
+        ]
+        if grads[3] is not None and mask is not None and grads[3].shape != mask.shape:
+            grads[3] = grads[3].sum_to_size(mask.shape)
+        return (*grads, None, None, None, None, None)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    layer: Any,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with compressed saved inputs, for ``layer``'s level."""
+    return AttentionFunction.apply(
+        q, k, v, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa), layer
+    )

@@ -1,0 +1,376 @@
+"""Functional ops routed to the layer-swap route's tailored autograd functions.
+
+Inside a converted model's forward (see :mod:`actcore.scope`), :class:`FunctionalRouter`
+hands these Python-level calls, when they save tensors for backward, to the same autograd
+functions the Q-layers use, so code written with functionals is compressed as modules are:
+
+=====================================================  ========================================
+calls                                                   what is kept for backward
+=====================================================  ========================================
+``F.relu``, ``torch.relu``, ``Tensor.relu`` (and the    a 1-bit mask (exact); a ReLU output
+in-place forms), ``F.relu6``, ``F.hardtanh``,           that the next layer saves keeps only
+``F.leaky_relu``                                        its nonzeros beside that mask
+``F.hardsigmoid``, ``F.threshold``,                     a 1-bit mask (exact)
+``F.hardshrink``, ``F.softshrink``
+``F.dropout``, ``torch.dropout`` (training)             the keep mask at 1 bit
+``F.gelu``, ``F.silu``, ``F.hardswish``, ``F.mish``,    a ``fewbit_bits``-bit derivative code
+``F.elu``, ``F.celu``, ``F.selu``, ``F.softplus``,      (FewBit); with ``fewbit_bits=None``
+``F.logsigmoid``, ``F.softsign``, ``F.tanhshrink``,     they stay with the hooks (input
+``torch.sigmoid``, ``torch.tanh`` (and ``F.``,          quantized like any other tensor)
+``Tensor.`` forms)
+``F.layer_norm``, ``F.group_norm``, ``F.batch_norm``,   the normalized input at the level's
+``F.rms_norm``                                          norm bits, exact statistics
+``F.scaled_dot_product_attention``,                     q, k, v at the level's bits; backward
+``F.multi_head_attention_forward``                      reruns the same kernel on them
+(``nn.MultiheadAttention``)                             (:mod:`actcore.attention`,
+                                                        :mod:`actcore.multihead`)
+=====================================================  ========================================
+
+Every routed call computes its output with the very torch op it replaces, so forward
+outputs are bitwise unchanged. Calls that save nothing (no grad, no input requiring grad),
+tensor subclasses, and arguments the tailored functions do not take go through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import LevelSpec
+from .fewbit import functional as FB
+
+__all__ = ["FunctionalLayer", "FunctionalRouter"]
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+_Handler = Callable[["FunctionalRouter", tuple, dict], Any]
+
+
+class FunctionalLayer:
+    """What a routed functional call is to the engine: a level and a name, no weights."""
+
+    act_scheme: Any = None
+
+    def __init__(self, level: str, name: str = "<functional>") -> None:
+        self.act_level = level
+        self.act_name = name
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+def _saves(x: Any) -> bool:
+    """Whether ``x`` is a plain floating tensor whose op will save something for backward."""
+    return (
+        type(x) in _PLAIN
+        and x.requires_grad
+        and torch.is_grad_enabled()
+        and x.is_floating_point()
+        and x.layout == torch.strided
+    )
+
+
+# ---- ReLU family: the Q-layers' masked activation ------------------------------------------
+
+
+def _masked(kind: str, param_of: Callable[[tuple, dict], Any], inplace_of: Callable) -> _Handler:
+    def handle(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
+        from .layers.functions import MaskedActivationFunction, note_output_mask
+
+        x = args[0] if args else kwargs.get("input")
+        if not _saves(x):
+            return NotImplemented
+        param = param_of(args, kwargs)
+        out = MaskedActivationFunction.apply(x, kind, param, inplace_of(args, kwargs), router.layer)
+        return note_output_mask(out) if kind == "relu" else out
+
+    return handle
+
+
+def _no_param(args: tuple, kwargs: dict) -> None:
+    return None
+
+
+def _inplace_arg(index: int) -> Callable[[tuple, dict], bool]:
+    return lambda args, kwargs: bool(_arg(args, kwargs, index, "inplace", False))
+
+
+def _always_inplace(args: tuple, kwargs: dict) -> bool:
+    return True
+
+
+def _never_inplace(args: tuple, kwargs: dict) -> bool:
+    return False
+
+
+def _hardtanh_range(args: tuple, kwargs: dict) -> tuple[float, float]:
+    return (
+        float(_arg(args, kwargs, 1, "min_val", -1.0)),
+        float(_arg(args, kwargs, 2, "max_val", 1.0)),
+    )
+
+
+def _relu6_range(args: tuple, kwargs: dict) -> tuple[float, float]:
+    return (0.0, 6.0)
+
+
+def _slope(args: tuple, kwargs: dict) -> float:
+    return float(_arg(args, kwargs, 1, "negative_slope", 0.01))
+
+
+# ---- few-bit derivative codes ----------------------------------------------------------------
+
+
+def _fewbit(fn: Callable[..., Tensor], names: tuple[str, ...], smooth: bool = True) -> _Handler:
+    """Route to ``fn(input, *params, bits=...)``; ``names``: torch's parameters after input."""
+
+    def handle(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
+        x = args[0] if args else kwargs.get("input")
+        if not _saves(x):
+            return NotImplemented
+        bits = router.fewbit_bits if smooth else 1
+        if bits is None:
+            return NotImplemented
+        unknown = set(kwargs) - {"input", *names}
+        if unknown or len(args) > 1 + len(names):
+            return NotImplemented
+        params = {n: kwargs[n] for n in names if n in kwargs}
+        params.update(zip(names, args[1:], strict=False))
+        return fn(x, **params, bits=bits)
+
+    return handle
+
+
+# ---- normalization: the Q-layers' normalized-input scheme ----------------------------------
+
+
+def _affine_norm_args(router: FunctionalRouter, args: tuple, kwargs: dict) -> tuple | None:
+    """``(input, weight, bias)`` of ``F.layer_norm``/``F.group_norm`` when they are routed."""
+    x = args[0] if args else kwargs.get("input")
+    weight = _arg(args, kwargs, 2, "weight", None)
+    bias = _arg(args, kwargs, 3, "bias", None)
+    if not router.compresses_norms or not (_saves(x) or _wants_grad(weight, bias)):
+        return None
+    return (x, weight, bias) if _plain_float(x) else None
+
+
+def _layer_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
+    from .layers.functions import LayerNormFunction
+    from .layers.modules import _autocast
+
+    found = _affine_norm_args(router, args, kwargs)
+    if found is None:
+        return NotImplemented
+    shape = list(_arg(args, kwargs, 1, "normalized_shape", None))
+    eps = float(_arg(args, kwargs, 4, "eps", 1e-5))
+    x, weight, bias = _autocast("layer_norm", *found)
+    return LayerNormFunction.apply(x, shape, weight, bias, eps, router.layer)
+
+
+def _group_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
+    from .layers.modules import group_norm
+
+    found = _affine_norm_args(router, args, kwargs)
+    if found is None or found[0].dim() < 2:
+        return NotImplemented
+    groups = int(_arg(args, kwargs, 1, "num_groups", None))
+    if found[0].shape[1] % groups:
+        return NotImplemented  # torch raises its own error
+    eps = float(_arg(args, kwargs, 4, "eps", 1e-5))
+    return group_norm(*found[:1], groups, *found[1:], eps, router.layer)
+
+
+def _batch_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
+    from .layers.functions import BatchNormFunction
+    from .layers.modules import _autocast
+
+    x = args[0] if args else kwargs.get("input")
+    running_mean = _arg(args, kwargs, 1, "running_mean", None)
+    running_var = _arg(args, kwargs, 2, "running_var", None)
+    weight = _arg(args, kwargs, 3, "weight", None)
+    bias = _arg(args, kwargs, 4, "bias", None)
+    training = bool(_arg(args, kwargs, 5, "training", False))
+    momentum = float(_arg(args, kwargs, 6, "momentum", 0.1))
+    eps = float(_arg(args, kwargs, 7, "eps", 1e-5))
+    if not router.compresses_norms or not (_saves(x) or _wants_grad(weight, bias)):
+        return NotImplemented
+    if not _plain_float(x) or x.dim() < 2:
+        return NotImplemented
+    if training:
+        if x.numel() // x.shape[1] <= 1:
+            return NotImplemented  # torch raises its own error
+    elif running_mean is None or running_var is None:
+        return NotImplemented
+    x, weight, bias = _autocast("batch_norm", x, weight, bias)
+    return BatchNormFunction.apply(
+        x, weight, bias, running_mean, running_var, training, momentum, eps, router.layer
+    )
+
+
+def _rms_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
+    from .layers.functions import RMSNormFunction
+
+    x = args[0] if args else kwargs.get("input")
+    weight = _arg(args, kwargs, 2, "weight", None)
+    if not router.compresses_norms or not (_saves(x) or _wants_grad(weight)):
+        return NotImplemented
+    if not _plain_float(x):
+        return NotImplemented
+    shape = list(_arg(args, kwargs, 1, "normalized_shape", None))
+    eps = _arg(args, kwargs, 3, "eps", None)
+    return RMSNormFunction.apply(x, shape, weight, eps, router.layer)
+
+
+def _wants_grad(*tensors: Any) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, Tensor) and t.requires_grad for t in tensors
+    )
+
+
+def _plain_float(x: Any) -> bool:
+    return type(x) in _PLAIN and x.is_floating_point() and x.layout == torch.strided
+
+
+# ---- dropout: the keep mask at 1 bit ---------------------------------------------------------
+
+
+def _dropout(p_index: int, train_index: int, inplace: Callable[[tuple, dict], bool]) -> _Handler:
+    def handle(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
+        from .layers.functions import DropoutFunction
+
+        x = args[0] if args else kwargs.get("input")
+        p = _arg(args, kwargs, p_index, "p", 0.5)
+        train = kwargs.get("training", kwargs.get("train", True))
+        if len(args) > train_index:
+            train = args[train_index]
+        if not (_saves(x) and train and isinstance(p, (int, float)) and 0 < p < 1):
+            return NotImplemented
+        return DropoutFunction.apply(x, float(p), inplace(args, kwargs), router.layer)
+
+    return handle
+
+
+# ---- attention: the model's own kernel, compressed q, k, v --------------------------------
+
+_SDPA_NAMES = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _sdpa(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
+    from .attention import attention
+
+    if router.spec.conv_bits is None or len(args) > 3 + len(_SDPA_NAMES):
+        return NotImplemented
+    names = ("query", "key", "value")
+    qkv = [args[i] if len(args) > i else kwargs.get(n) for i, n in enumerate(names)]
+    if set(kwargs) - {*names, *_SDPA_NAMES}:
+        return NotImplemented
+    if not all(_plain_float(t) for t in qkv) or not _wants_grad(*qkv):
+        return NotImplemented
+    options = dict(zip(_SDPA_NAMES, args[3:], strict=False))
+    options.update((n, kwargs[n]) for n in _SDPA_NAMES if n in kwargs)
+    mask = options.get("attn_mask")
+    if mask is not None and not (isinstance(mask, Tensor) and mask.layout == torch.strided):
+        return NotImplemented
+    return attention(*qkv, **options, layer=router.layer)
+
+
+def _multi_head(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
+    from .multihead import multi_head_attention
+
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+    if router.spec.conv_bits is None or not _wants_grad(*tensors):
+        return NotImplemented
+    if not all(type(t) in _PLAIN and t.layout == torch.strided for t in tensors):
+        return NotImplemented
+    return multi_head_attention(router.layer, args, kwargs)
+
+
+def _table() -> dict[Any, _Handler]:
+    T = torch.Tensor
+    relu = _masked("relu", _no_param, _never_inplace)
+    relu_ = _masked("relu", _no_param, _always_inplace)
+    table: dict[Any, _Handler] = {
+        F.relu: _masked("relu", _no_param, _inplace_arg(1)),
+        torch.relu: relu,
+        T.relu: relu,
+        torch.relu_: relu_,
+        T.relu_: relu_,
+        F.relu_: relu_,
+        F.relu6: _masked("hardtanh", _relu6_range, _inplace_arg(1)),
+        F.hardtanh: _masked("hardtanh", _hardtanh_range, _inplace_arg(3)),
+        F.hardtanh_: _masked("hardtanh", _hardtanh_range, _always_inplace),
+        F.leaky_relu: _masked("leaky_relu", _slope, _inplace_arg(2)),
+        F.leaky_relu_: _masked("leaky_relu", _slope, _always_inplace),
+        F.hardsigmoid: _fewbit(FB.hardsigmoid, ("inplace",), smooth=False),
+        F.threshold: _fewbit(FB.threshold, ("threshold", "value", "inplace"), smooth=False),
+        F.hardshrink: _fewbit(FB.hardshrink, ("lambd",), smooth=False),
+        F.softshrink: _fewbit(FB.softshrink, ("lambd",), smooth=False),
+        F.gelu: _fewbit(FB.gelu, ("approximate",)),
+        F.silu: _fewbit(FB.silu, ("inplace",)),
+        F.hardswish: _fewbit(FB.hardswish, ("inplace",)),
+        F.mish: _fewbit(FB.mish, ("inplace",)),
+        F.elu: _fewbit(FB.elu, ("alpha", "inplace")),
+        F.celu: _fewbit(FB.celu, ("alpha", "inplace")),
+        F.selu: _fewbit(FB.selu, ("inplace",)),
+        F.softplus: _fewbit(FB.softplus, ("beta", "threshold")),
+        F.logsigmoid: _fewbit(FB.logsigmoid, ()),
+        F.softsign: _fewbit(FB.softsign, ()),
+        F.tanhshrink: _fewbit(FB.tanhshrink, ()),
+        F.layer_norm: _layer_norm,
+        F.group_norm: _group_norm,
+        F.batch_norm: _batch_norm,
+        F.dropout: _dropout(1, 2, _inplace_arg(3)),
+        torch.dropout: _dropout(1, 2, _never_inplace),
+        torch.dropout_: _dropout(1, 2, _always_inplace),
+    }
+    for fn in (torch.sigmoid, T.sigmoid, F.sigmoid):
+        table[fn] = _fewbit(FB.sigmoid, ())
+    for fn in (torch.tanh, T.tanh, F.tanh):
+        table[fn] = _fewbit(FB.tanh, ())
+    table[F.scaled_dot_product_attention] = _sdpa
+    table[F.multi_head_attention_forward] = _multi_head
+    rms_norm = getattr(F, "rms_norm", None)
+    if rms_norm is not None:
+        table[rms_norm] = _rms_norm
+    return table
+
+
+_TABLE = _table()
+
+
+class FunctionalRouter:
+    """Routes functional calls (see the module docstring) at one level of the layer route.
+
+    ``fewbit_bits``: derivative bits of smooth activations (None: not routed).
+    Called by :class:`actcore.op_mode.OpMode` as ``router(func, args, kwargs)``; returns
+    the routed result or ``NotImplemented`` (the mode then calls ``func`` itself).
+    """
+
+    def __init__(self, spec: LevelSpec, fewbit_bits: int | None) -> None:
+        self.spec = spec
+        self.fewbit_bits = fewbit_bits
+        self.compresses_norms = spec.norm_bits is not None
+        self.layer = FunctionalLayer(spec.name)
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            handler = _TABLE.get(func)
+        except TypeError:  # an unhashable callable: none of ours
+            return NotImplemented
+        if handler is None:
+            return NotImplemented
+        return handler(self, args, kwargs)
+
+    @staticmethod
+    def routes(func: Any) -> bool:
+        """Whether ``func`` is one of the routed functionals."""
+        try:
+            return func in _TABLE
+        except TypeError:
+            return False
