@@ -145,22 +145,19 @@ def convert(
     report = ConversionReport(spec.name)
     excluded: list[nn.Module] = []
     for name, module in model.named_modules():
-        if exclude and name and is_excluded(name, module, exclude):
-            excluded.append(module)
+        if exclude and name and _excluded_here(name, module, exclude, excluded, report):
+            continue
         if isinstance(module, QLayer):
             module.act_level = spec.name
             report.converted[name] = type(module).__name__
             continue
         if fewbit_target(module)[0] is not None or is_fewbit(module):
-            _swap_activation(name, module, fewbit_bits, exclude, report)
+            _swap_activation(name, module, fewbit_bits, report)
             continue
         target = Q_LAYERS.get(type(module))
         if target is None:
             if any(isinstance(module, base) for base in Q_LAYERS):
                 report.left[name] = f"a subclass of {_base_name(module)} with its own behaviour"
-            continue
-        if is_excluded(name, module, exclude):
-            report.left[name] = "excluded"
             continue
         reason = unsupported_reason(module)
         if reason is not None:
@@ -184,6 +181,27 @@ def convert(
     return model
 
 
+def _excluded_here(
+    name: str,
+    module: nn.Module,
+    rules: tuple[Exclude, ...],
+    excluded: list[nn.Module],
+    report: ConversionReport,
+) -> bool:
+    """Whether ``module`` is excluded (by a rule, or inside an excluded module); records it."""
+    outer = next(
+        (n for n in report.left if report.left[n] == "excluded" and name.startswith(f"{n}.")), None
+    )
+    if outer is None and not is_excluded(name, module, rules):
+        return False
+    if outer is None:
+        excluded.append(module)  # its forward runs with the hooks suspended
+        report.left[name] = "excluded"
+    if isinstance(module, QLayer):  # converted before: it keeps its tensors as torch does
+        module.act_level = "L0"
+    return True
+
+
 def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"actcore.convert takes a torch.nn.Module, got {type(model).__name__}")
@@ -197,16 +215,7 @@ def _check_model(model: Any) -> None:
         )
 
 
-def _swap_activation(
-    name: str,
-    module: nn.Module,
-    bits: int | None,
-    exclude: tuple[Exclude, ...],
-    report: ConversionReport,
-) -> None:
-    if not is_fewbit(module) and is_excluded(name, module, exclude):
-        report.left[name] = "excluded"
-        return
+def _swap_activation(name: str, module: nn.Module, bits: int | None, report: ConversionReport):
     new = swap_activation(module, bits)
     if new is None:
         report.left[name] = SMOOTH_LEFT

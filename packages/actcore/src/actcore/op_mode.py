@@ -22,6 +22,7 @@ function's Python body, or from C++, is not seen).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from .exact_ops import ExactOps, _lookup
 
-__all__ = ["ATTENTION_FUNCTIONS", "OpMode", "created_by_attention"]
+__all__ = ["ATTENTION_FUNCTIONS", "OpMode", "created_by_attention", "outside_function_modes"]
 
 ATTENTION_FUNCTIONS = frozenset({F.scaled_dot_product_attention, F.multi_head_attention_forward})
 """Calls inside which float tensors saved outside the autograd graph stay exact."""
@@ -112,3 +113,22 @@ class OpMode(ExactOps):
                 self.attention -= 1
                 self.attention_inputs, self.attention_numel = outer
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def outside_function_modes() -> Iterator[None]:
+    """Run the block with the torch function modes popped (pushed back after).
+
+    Q-layers run their own Python machinery (choosing and packing compressors) under it:
+    through an active mode every tensor attribute read would be a Python call.
+    """
+    depth = torch._C._len_torch_function_stack()
+    if not depth:
+        yield
+        return
+    modes = [torch._C._pop_torch_function_stack() for _ in range(depth)]
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            torch._C._push_on_torch_function_stack(mode)

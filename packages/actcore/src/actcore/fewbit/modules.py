@@ -6,8 +6,11 @@ Each takes torch's constructor arguments plus ``bits`` and subclasses the torch 
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
+from ..op_mode import outside_function_modes
 from . import functional as FB
 from .functional import DEFAULT_BITS
 from .tables import check_bits
@@ -41,6 +44,11 @@ class _FewBit(nn.Module):
     """Mixin: the ``bits`` attribute and its ``repr``."""
 
     bits: int
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # its own tailored treatment: a converted model's functional-op router stays out
+        with outside_function_modes():
+            return super().__call__(*args, **kwargs)
 
     def _set_bits(self, bits: int) -> None:
         self.bits = check_bits(bits)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.modules.utils import _ntuple
 
 from ..engine import layer_spec, needs_saving
+from ..op_mode import outside_function_modes
 from .functions import (
     AvgPoolFunction,
     BatchNormFunction,
@@ -37,6 +38,12 @@ class QLayer:
 
     act_level: str | None = None
     act_scheme: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # A Q-layer is its own tailored treatment: the functional-op router of a converted
+        # model's scope has nothing to do inside it (and would only add per-call overhead).
+        with outside_function_modes():
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
 
     def _compresses(self, *tensors: torch.Tensor | None) -> bool:
         spec = layer_spec(self)

@@ -1,0 +1,272 @@
+"""``actcore bench zoo``: torchvision classifiers as their users write them, side by side.
+
+Per model (random weights, train mode, cross-entropy on random labels) and per variant:
+
+* ``fp``: the plain model, the reference;
+* ``L2``, ``L3``...: ``actcore.convert(model, level)`` with no other option;
+* ``L3-layers``: the same with ``layers_only=True`` (Q-layers only, the rest fp32);
+* ``ckpt``: ``torch.utils.checkpoint`` around every block of the model's stages.
+
+Bytes held for backward are counted by the profiler (:func:`actcore.memory.profiled_bytes`,
+independent of actcore's accounting) and by :func:`actcore.memory.track`; the forward output
+is compared bitwise with fp's (same RNG), the gradient by its cosine to fp's on the same
+batch, and the step (forward + backward) time is the median of ``--steps`` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .. import memory as act_memory
+from . import report
+from .models import build_model, check_model, default_image_size, logits
+
+FP = "fp"
+LAYERS_SUFFIX = "-layers"
+CHECKPOINT = "ckpt"
+DEFAULT_MODELS = [
+    "resnet50",
+    "mobilenet_v3_small",
+    "efficientnet_b0",
+    "convnext_tiny",
+    "swin_t",
+    "vit_b_16",
+]
+
+
+@dataclass
+class ZooConfig:
+    """What ``bench zoo`` measures."""
+
+    models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
+    levels: list[str] = field(default_factory=lambda: ["L2", "L3", "L3-layers", CHECKPOINT])
+    batch: int = 4
+    image_size: int | None = None
+    steps: int = 3
+    seed: int = 0
+
+
+class Checkpointed(nn.Module):
+    """``inner`` run under ``torch.utils.checkpoint`` (non-reentrant) when it saves anything."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.inner(*args, **kwargs)
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+
+def _is_block(module: nn.Module) -> bool:
+    return any(True for _ in module.children())
+
+
+def checkpoint_blocks(model: nn.Module) -> list[str]:
+    """Wrap every block of the model's stages in :class:`Checkpointed`, in place.
+
+    A stage is an ``nn.Sequential`` whose children are all composite (blocks), none of them
+    a stage itself: ResNet's ``layer1``..``layer4``, ConvNeXt's and Swin's stages, ViT's
+    encoder layers, MobileNet's and EfficientNet's ``features``. Returns the wrapped names.
+    """
+    stages = []
+    for name, module in model.named_modules():
+        kids = list(module.children())
+        if isinstance(module, nn.Sequential) and kids and all(map(_is_block, kids)):
+            stages.append((name, module))
+    inner = {n for n, _ in stages}
+    wrapped = []
+    for name, stage in stages:
+        prefix = f"{name}." if name else ""
+        if any(other.startswith(prefix) and other != name for other in inner):
+            continue  # an outer stage of stages: wrap the inner ones
+        for key, child in list(stage._modules.items()):
+            stage._modules[key] = Checkpointed(child)
+            wrapped.append(prefix + key)
+    return wrapped
+
+
+def apply_variant(model: nn.Module, variant: str) -> nn.Module:
+    """``model`` with ``variant`` applied (in place)."""
+    import actcore
+
+    if variant == FP:
+        return model
+    if variant == CHECKPOINT:
+        checkpoint_blocks(model)
+        return model
+    if variant.endswith(LAYERS_SUFFIX):
+        return actcore.convert(model, variant[: -len(LAYERS_SUFFIX)], layers_only=True)
+    return actcore.convert(model, variant)
+
+
+def _forward_backward(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int
+) -> tuple[torch.Tensor, int, int, list[torch.Tensor | None]]:
+    """One seeded step: output, profiler bytes, tracked bytes, parameter gradients."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with act_memory.track(model) as tracked:
+        out, profiled = act_memory.profiled_bytes(model, x)
+    out = logits(out)
+    nn.functional.cross_entropy(out, y).backward()
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+    return out.detach(), profiled, tracked.retained_bytes, grads
+
+
+def _cosine(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+    pairs = [(u, v) for u, v in zip(a, b, strict=True) if u is not None and v is not None]
+    x = torch.cat([u.flatten().double() for u, _ in pairs])
+    y = torch.cat([v.flatten().double() for _, v in pairs])
+    return float(nn.functional.cosine_similarity(x, y, dim=0))
+
+
+def measure_model(
+    name: str,
+    variants: list[str],
+    *,
+    batch: int = 4,
+    image_size: int | None = None,
+    steps: int = 3,
+    seed: int = 0,
+    advance: Callable[..., None] = lambda *a, **k: None,
+) -> list[dict[str, Any]]:
+    """Rows for ``name``: fp first, then each variant (see the module docstring)."""
+    torch.manual_seed(seed)
+    size = image_size or default_image_size(name)
+    base, shape, classes = build_model(name, image_size=size)
+    x = torch.randn(batch, *shape)
+    y = torch.randint(0, classes, (batch,))
+    rows: list[dict[str, Any]] = []
+    ref: dict[str, Any] = {}
+    for variant in [FP, *(v for v in variants if v != FP)]:
+        advance(0, description=f"{name} {variant}")
+        model = apply_variant(copy.deepcopy(base), variant)
+        _forward_backward(model, x, y, seed + 1)  # warm-up: lazy one-time allocations
+        out, profiled, tracked, grads = _forward_backward(model, x, y, seed + 2)
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            _forward_backward_plain(model, x, y, seed + 3 + i)
+            times.append(time.perf_counter() - t0)
+        row: dict[str, Any] = {
+            "benchmark": "zoo",
+            "model": name,
+            "variant": variant,
+            "batch": batch,
+            "image_size": size,
+            "profiled_bytes": profiled,
+            "retained_bytes": tracked,
+            "step_time_s": statistics.median(times) if times else None,
+        }
+        if variant == FP:
+            ref = {"out": out, "bytes": profiled, "grads": grads, "time": row["step_time_s"]}
+        row["ratio"] = ref["bytes"] / profiled if profiled > 0 else None
+        row["forward_equal"] = bool(torch.equal(out, ref["out"]))
+        row["grad_cosine"] = _cosine(ref["grads"], grads)
+        row["grads_finite"] = all(g is None or bool(torch.isfinite(g).all()) for g in grads)
+        if ref["time"] and row["step_time_s"]:
+            row["time_vs_fp"] = row["step_time_s"] / ref["time"]
+        rows.append(row)
+        advance(1)
+    return rows
+
+
+def _forward_backward_plain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int):
+    torch.manual_seed(seed)
+    nn.functional.cross_entropy(logits(model(x)), y).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def columns() -> list[report.Column]:
+    return [
+        report.Column("model", "model", justify="left"),
+        report.Column("variant", "variant", justify="left"),
+        report.Column("profiled_bytes", "held (profiler)", report.fmt_bytes),
+        report.Column("ratio", "fp / variant", report.fmt_float(1, "x")),
+        report.Column("forward_equal", "same forward", lambda v: "yes" if v else "NO"),
+        report.Column("grad_cosine", "grad cosine", report.fmt_float(3)),
+        report.Column("step_time_s", "step s", report.fmt_float(2)),
+        report.Column("time_vs_fp", "time / fp", report.fmt_float(2, "x")),
+    ]
+
+
+def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add ``bench zoo``."""
+    p = subparsers.add_parser(
+        "zoo",
+        help="torchvision classifiers: fp, convert levels, layers only, checkpointing",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated model names")
+    p.add_argument(
+        "--levels",
+        default="L2,L3,L3-layers,ckpt",
+        help="variants: convert levels, LEVEL-layers (layers_only), ckpt (checkpointing)",
+    )
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per variant")
+    p.add_argument("--seed", type=int, default=0)
+    common(p)
+    p.set_defaults(func=main, validate=_validate)
+
+
+def check_variant(variant: str) -> str:
+    """``variant`` if valid, else ValueError naming it and what is allowed."""
+    from ..config import LEVELS
+
+    level = variant[: -len(LAYERS_SUFFIX)] if variant.endswith(LAYERS_SUFFIX) else variant
+    if variant in (FP, CHECKPOINT) or level in LEVELS:
+        return variant
+    valid = [FP, CHECKPOINT, *LEVELS, *(f"{lv}{LAYERS_SUFFIX}" for lv in LEVELS)]
+    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(valid)}")
+
+
+def _validate(args: argparse.Namespace) -> None:
+    args.models = [check_model(m.strip()) for m in args.models.split(",") if m.strip()]
+    args.levels = [check_variant(v.strip()) for v in args.levels.split(",") if v.strip()]
+    for name in ("batch", "steps"):
+        if getattr(args, name) < (1 if name == "batch" else 0):
+            raise ValueError(f"--{name} must be positive, got {getattr(args, name)}")
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = report.config_from_args(ZooConfig, args)
+
+    def runner(rows: list[dict[str, Any]]) -> None:
+        total = len(cfg.models) * (1 + len(cfg.levels))
+        with report.progress(total, "zoo", enabled=not args.quiet) as advance:
+            for name in cfg.models:
+                rows.extend(
+                    measure_model(
+                        name,
+                        cfg.levels,
+                        batch=cfg.batch,
+                        image_size=cfg.image_size,
+                        steps=cfg.steps,
+                        seed=cfg.seed,
+                        advance=advance,
+                    )
+                )
+
+    title = f"torchvision zoo, batch {cfg.batch}: activation memory, forward, gradient, time"
+    return report.run_guarded(
+        "zoo",
+        runner,
+        config=asdict(cfg),
+        json_path=args.json,
+        show=lambda rows: report.console().print(report.table(title, columns(), rows)),
+    )
