@@ -70,7 +70,7 @@ class ModelScope:
     def enter(self, root: nn.Module, inputs: Iterable[Any]) -> None:
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
-        if depth or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if depth or not torch.is_grad_enabled():
             return
         if self.engine.model is not root:
             self.engine.attach(root)
@@ -119,12 +119,14 @@ class ModelScope:
 # ---- the hooks on the model: plain functions, so copies of the model work -------------------
 
 
+@torch.compiler.disable
 def _root_pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
     scope = module.__dict__.get("act_scope")
     if isinstance(scope, ModelScope):
         scope.enter(module, (*args, *kwargs.values()))
 
 
+@torch.compiler.disable
 def _root_post(module: nn.Module, args: Any, output: Any) -> None:
     scope = module.__dict__.get("act_scope")
     if isinstance(scope, ModelScope):
