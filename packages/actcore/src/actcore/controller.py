@@ -30,7 +30,7 @@ from torch import nn
 from .fewbit.convert import swap_activation
 from .fewbit.tables import check_bits
 from .hooks import SavedTensorCompressor
-from .policies import HookLevel, Policy, hook_level, make_policy
+from .policies import HookLevel, Policy, check_iteration, hook_level, make_policy
 
 __all__ = ["Controller", "swap_activations"]
 
@@ -156,11 +156,14 @@ class Controller:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: same iteration count and the same bit plan."""
+        if not isinstance(state, dict):
+            raise TypeError(f"Controller state must be a dict, got {type(state).__name__}")
         missing = {"iteration", "policy"} - set(state)
         if missing:
             raise KeyError(f"Controller state lacks {sorted(missing)}")
-        self.policy.load_state_dict(state["policy"])
-        self.iteration = int(state["iteration"])
+        iteration = check_iteration(state["iteration"], "Controller")
+        self.policy.load_state_dict(state["policy"])  # checks all first, then changes
+        self.iteration = iteration
 
     def __repr__(self) -> str:
         return (

@@ -20,7 +20,7 @@ from .compressors import IDENTITY, Compressor, Quantize, ZeroValue
 from .config import LevelSpec, config, level_spec
 from .fewbit.convert import SMOOTH_LEFT, fewbit_target, is_fewbit, swap_activation
 from .layers.modules import Q_LAYERS, QLayer, unsupported_reason
-from .policies import POLICY_OPTIONS, Policy, make_policy
+from .policies import POLICY_OPTIONS, Policy, check_iteration, make_policy
 from .scope import attach_scope, detach_scope
 
 log = logging.getLogger("actcore")
@@ -350,8 +350,9 @@ class PolicyScheme:
         missing = {"iteration", "policy"} - set(state)
         if missing:
             raise KeyError(f"PolicyScheme state lacks {sorted(missing)}")
-        self.policy.load_state_dict(state["policy"])
-        self.iteration = int(state["iteration"])
+        iteration = check_iteration(state["iteration"], "PolicyScheme")
+        self.policy.load_state_dict(state["policy"])  # checks all first, then changes
+        self.iteration = iteration
 
     def __repr__(self) -> str:
         return f"PolicyScheme({self.policy!r}, iteration={self.iteration})"
