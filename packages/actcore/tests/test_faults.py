@@ -274,3 +274,111 @@ def test_module_called_twice_per_forward_counts_one_step(monkeypatch) -> None:
     model.zero_grad()
     (model(_batch(0)).square().mean() + model(_batch(1)).square().mean()).backward()
     assert scheme.steps == 11
+
+
+# --- 2. double backward: exact, or a clear error naming the layer -------------------------
+
+
+def _penalty_grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """WGAN-GP style: the squared norm of d out / d x, backpropagated to the parameters."""
+    x = x.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    g.square().sum().backward()
+    return [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [
+        lambda: nn.LayerNorm(32),
+        lambda: nn.BatchNorm1d(32),
+        lambda: nn.GroupNorm(4, 32),
+        lambda: nn.RMSNorm(32),
+    ],
+)
+def test_double_backward_through_norms_exact_or_refused(norm) -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 32), norm(), nn.ReLU(), nn.Linear(32, 1))
+    x = torch.randn(64, 16)
+    exact = _penalty_grads(plain, x)
+    # L2 stores the norm's input at 4 bits: refused at once, naming the layer
+    lossy = actcore.convert(copy.deepcopy(plain), "L2")
+    with pytest.raises(RuntimeError, match=r"double backward .* '1'.*stored compressed"):
+        _penalty_grads(lossy, x)
+    # linear inputs only (layers_only, norms exact): the norm's second derivative is exact
+    kept = actcore.convert(copy.deepcopy(plain), "L2", exclude=["0", "3"], layers_only=True)
+    kept[1].act_level = "L1"  # normalization inputs at full precision
+    if isinstance(plain[1], nn.GroupNorm):  # aten's group-norm backward has no derivative
+        with pytest.raises(RuntimeError, match=r"double backward .*QGroupNorm '1'"):
+            _penalty_grads(kept, x)
+        return
+    got = _penalty_grads(kept, x)
+    for a, b in zip(got, exact, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_double_backward_through_lossy_linear_exact_for_input_penalties() -> None:
+    """A penalty on d out / d x needs only grad @ W: exact at 4 bits; a penalty on a weight
+    gradient needs the lost input's derivative: it raises, naming the layer."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)
+    )
+    x = torch.randn(64, 16)
+    exact = _penalty_grads(plain, x)
+    model = actcore.convert(copy.deepcopy(plain), "L2", layers_only=True)
+    got = _penalty_grads(model, x)
+    for a, b in zip(got, exact, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    loss = model(x).square().mean()
+    (gw,) = torch.autograd.grad(loss, model[2].weight, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"double backward .*QLinear '2'"):
+        gw.square().sum().backward()
+
+
+def test_double_backward_through_fewbit_names_the_table() -> None:
+    from actcore.fewbit import functional as fb
+
+    x = torch.randn(64, 16, requires_grad=True)
+    (g,) = torch.autograd.grad(fb.gelu(x, bits=3).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="few-bit activation derivative"):
+        g.square().sum().backward()
+    # a mask code's derivative is piecewise constant: its second derivative (0) is exact
+    (g,) = torch.autograd.grad(fb.hardsigmoid(x).sum(), x, create_graph=True)
+    (g * x).sum().backward()  # d/dx (g * x) = g, as g's own derivative is 0
+    assert torch.equal(x.grad, g.detach())
+
+
+# --- 10. NaN in, NaN out ---------------------------------------------------------------------
+
+
+def test_fewbit_table_gradient_is_nan_for_nan_input() -> None:
+    from actcore.fewbit import functional as fb
+
+    x = torch.randn(4, 256)
+    x[1, 7] = math.nan
+    x.requires_grad_(True)
+    fb.gelu(x, bits=3).sum().backward()
+    assert bool(x.grad[1, 7].isnan())
+    clean = torch.randn(4, 256, requires_grad=True)
+    fb.gelu(clean, bits=3).sum().backward()
+    assert bool(clean.grad.isfinite().all())
+
+
+def test_every_quantizing_compressor_keeps_nan() -> None:
+    from actcore.compressors import PerSampleQuantize, Quantize, ZeroValue
+    from actcore.ops import pack_mask
+
+    x = torch.randn(4, 512)
+    x[2, 100] = math.nan
+    comps = [
+        Quantize(2),
+        Quantize(4, per_sample=False),
+        PerSampleQuantize(((4, 2), (2, 2))),
+        ZeroValue(pack_mask(x != 0), Quantize(3, per_sample=False)),
+    ]
+    for comp in comps:
+        tensors, meta = comp.pack(x)
+        y = comp.unpack(tensors, meta)
+        assert bool(y[2, 100].isnan()), comp
+        assert bool(y[0].isfinite().all()), comp

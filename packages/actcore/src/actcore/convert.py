@@ -155,6 +155,7 @@ def convert(
             excluded.append(module)
         if isinstance(module, QLayer):
             module.act_level = spec.name
+            module.act_name = name  # errors name the layer
             report.converted[name] = type(module).__name__
             continue
         if fewbit_target(module)[0] is not None or is_fewbit(module):
@@ -177,6 +178,7 @@ def convert(
             continue
         module.__class__ = target
         module.act_level = spec.name
+        module.act_name = name
         report.converted[name] = target.__name__
     attach_stream(model, seed)
     _set_adaptive(model, spec.adaptive and scheme is None)
