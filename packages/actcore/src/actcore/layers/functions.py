@@ -190,7 +190,7 @@ class ConvFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = unstash(ctx)
         observe(ctx, grad, kernel=math.prod(weight.shape[2:]))
-        x = _guard_input(ctx, x, weight, grad)
+        x = guard_input(ctx, x, weight, grad)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x_for_shape = x if x is not None else ctx.input_meta.tensor()
         chunks = _micro_batches(ctx.layer, x_for_shape) if need_w and x is not None else 1
@@ -221,7 +221,7 @@ class LinearFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = unstash(ctx)
         observe(ctx, grad, channel_dim=-1)
-        x = _guard_input(ctx, x, weight, grad)
+        x = guard_input(ctx, x, weight, grad)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g2 = grad.reshape(-1, grad.shape[-1])
         gx = grad.matmul(weight) if need_x else None
@@ -230,14 +230,21 @@ class LinearFunction(torch.autograd.Function):
         return gx, gw, gb, None, None
 
 
-def _guard_input(
-    ctx: Any, x: torch.Tensor | None, weight: torch.Tensor, grad: torch.Tensor
+def guard_input(
+    ctx: Any,
+    x: torch.Tensor | None,
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    lossy: bool | None = None,
 ) -> torch.Tensor | None:
     """In a create_graph backward, the restored input of a conv/linear whose input required
-    grad: differentiating through it raises (its derivative is the lost exact input's)."""
+    grad: differentiating through it raises (its derivative is the lost exact input's).
+
+    ``lossy``: whether ``x`` differs from the input (default: its ``stash`` compressor says).
+    """
     if x is None or not torch.is_grad_enabled() or not ctx.needs_input_grad[0]:
         return x
-    if not _lossy(ctx, 0):
+    if not (_lossy(ctx, 0) if lossy is None else lossy):
         return x
     x_link = getattr(ctx, "x_link", None)
     anchors = (x_link,) if x_link is not None else (weight, grad)
