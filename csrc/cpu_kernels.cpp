@@ -127,6 +127,37 @@ ACTCORE_INLINE T from_bf16(uint16_t bits) {
   return static_cast<T>(f);
 }
 
+constexpr uint16_t kBf16Max = 0x7F7Fu;        // the largest finite bfloat16
+constexpr uint16_t kBf16NegMax = 0xFF7Fu;     // its negative
+constexpr uint16_t kBf16NegInf = 0xFF80u;
+constexpr uint16_t kBf16PosInf = 0x7F80u;
+
+// Per group (quantization._metadata): lo rounded down and step up to bfloat16, rounded
+// inward to +-kBf16Max where a finite group would leave bfloat16's range; where max - lo
+// overflows, the step comes from the values times 1/4 and `scale` is 1/4 (else 1).
+template <typename acc_t>
+ACTCORE_INLINE void group_metadata(acc_t mn, acc_t mx, acc_t levels, uint16_t& lo_bits,
+                                   uint16_t& step_bits, acc_t& scale) {
+  lo_bits = bf16_down(mn);
+  if (lo_bits == kBf16NegInf && std::isfinite(mn)) lo_bits = kBf16NegMax;
+  const acc_t lo = from_bf16<acc_t>(lo_bits);
+  const bool finite = std::isfinite(mx) && std::isfinite(lo);
+  const acc_t span = mx - lo;
+  const bool huge = std::isinf(span) && finite;
+  acc_t raw;
+  if (huge) {
+    const acc_t a = mx * acc_t(0.25);
+    const acc_t b = lo * acc_t(0.25);
+    raw = ((a - b) / levels) * acc_t(4);
+  } else {
+    raw = span / levels;
+  }
+  if (raw < acc_t(0)) raw = acc_t(0);
+  step_bits = bf16_up(raw);
+  if (step_bits == kBf16PosInf && finite) step_bits = kBf16Max;
+  scale = huge ? acc_t(0.25) : acc_t(1);
+}
+
 // ---------------------------------------------------------------- bit planes (bitpack.py)
 // Bit j of each of the 8 bytes of w, as one byte (byte t's bit in bit t).
 ACTCORE_INLINE uint8_t gather_plane(uint64_t w, int j) {
@@ -340,12 +371,16 @@ ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, int64_t g0, int64_t g
       held = as_acc<scalar_t, acc_t>(xg + off, m, buf);
       min_max(held, m, mn, mx);
     }
-    const uint16_t lo_bits = bf16_down(mn);
-    const acc_t lo = from_bf16<acc_t>(lo_bits);
-    const uint16_t step_bits = bf16_up((mx - lo) / levels);
-    const acc_t step = from_bf16<acc_t>(step_bits);
+    uint16_t lo_bits;
+    uint16_t step_bits;
+    acc_t scale;
+    group_metadata(mn, mx, levels, lo_bits, step_bits, scale);
     a.lo[gid] = lo_bits;
     a.step[gid] = step_bits;
+    // scale is 1 except in groups whose span overflows: codes from the values times 1/4
+    const bool scaled = scale != acc_t(1);
+    const acc_t lo = from_bf16<acc_t>(lo_bits) * scale;
+    const acc_t step = from_bf16<acc_t>(step_bits) * scale;
 
     uint8_t* out = a.payload + row * row_bytes + col0 / 8 * a.bits;
     for (int64_t off = 0; off < n; off += kChunk) {
@@ -355,6 +390,10 @@ ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, int64_t g0, int64_t g
         std::memset(codes, 0, static_cast<size_t>(m8));
       } else {
         const acc_t* v = n <= kChunk ? held : as_acc<scalar_t, acc_t>(xg + off, m, buf);
+        if (scaled) {  // (buf may be v itself: element by element, in place)
+          for (int64_t k = 0; k < m; ++k) buf[k] = v[k] * scale;
+          v = buf;
+        }
         if (a.stochastic) {
           const int64_t first = row * a.cols + col0 + off;
           for (int64_t done = 0; done < m;) {  // split where the noise key changes
@@ -382,7 +421,8 @@ ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, int64_t g0, int64_t g
 // ---------------------------------------------------------------- dequantize
 using actcore_kernels::DequantizeArgs;
 
-// code * step + lo in acc_t (two roundings), then to the output dtype (nearest even).
+// (code * step/4 + lo/4) * 4 in acc_t (code * step/4 is exact: one rounding, no overflow),
+// clamped to the output dtype's finite range, then converted (nearest even).
 template <typename scalar_t>
 ACTCORE_INLINE void dequantize_groups(const DequantizeArgs& a, int64_t g0, int64_t g1) {
   using acc_t = typename Acc<scalar_t>::type;
@@ -390,19 +430,25 @@ ACTCORE_INLINE void dequantize_groups(const DequantizeArgs& a, int64_t g0, int64
   auto* out = static_cast<scalar_t*>(a.out);
   const int64_t groups_per_row = (a.cols + a.group_size - 1) / a.group_size;
   const int64_t row_bytes = (a.cols + 7) / 8 * a.bits;
+  // the output dtype's largest finite value, in acc_t (exact)
+  const acc_t top = static_cast<acc_t>(std::numeric_limits<scalar_t>::max());
   for (int64_t gid = g0; gid < g1; ++gid) {
     const int64_t row = gid / groups_per_row;
     const int64_t col0 = (gid - row * groups_per_row) * a.group_size;
     const int64_t n = std::min(a.group_size, a.cols - col0);
     const acc_t lo = from_bf16<acc_t>(a.lo[gid]);
     const acc_t step = from_bf16<acc_t>(a.step[gid]);
+    const bool finite = std::isfinite(lo) && std::isfinite(step);
+    const acc_t lo_q = finite ? lo * acc_t(0.25) : std::numeric_limits<acc_t>::quiet_NaN();
+    const acc_t step_q = step * acc_t(0.25);
     const uint8_t* in = a.payload + row * row_bytes + col0 / 8 * a.bits;
     scalar_t* o = out + row * a.cols + col0;
     for (int64_t off = 0; off < n; off += kChunk) {
       const int64_t m = std::min(kChunk, n - off);
       unpack_blocks(in + off / 8 * a.bits, (m + 7) / 8, a.bits, codes);
       for (int64_t k = 0; k < m; ++k) {
-        const acc_t value = static_cast<acc_t>(codes[k]) * step + lo;
+        acc_t value = (static_cast<acc_t>(codes[k]) * step_q + lo_q) * acc_t(4);
+        value = value < -top ? -top : (value > top ? top : value);  // NaN stays
         o[off + k] = static_cast<scalar_t>(value);
       }
     }

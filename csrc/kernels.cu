@@ -158,6 +158,59 @@ struct Compute<double> {
   using type = double;
 };
 
+// The largest finite value of each output dtype, in its compute type (exact).
+template <typename scalar_t>
+struct OutputMax;
+template <>
+struct OutputMax<float> {
+  static constexpr float value = 3.4028234663852886e38f;
+};
+template <>
+struct OutputMax<double> {
+  static constexpr double value = 1.7976931348623157e308;
+};
+template <>
+struct OutputMax<c10::Half> {
+  static constexpr float value = 65504.0f;
+};
+template <>
+struct OutputMax<c10::BFloat16> {
+  static constexpr float value = 3.3895313892515355e38f;
+};
+
+constexpr uint16_t kBf16Max = 0x7F7Fu;     // the largest finite bfloat16
+constexpr uint16_t kBf16NegMax = 0xFF7Fu;  // its negative
+constexpr uint16_t kBf16NegInf = 0xFF80u;
+constexpr uint16_t kBf16PosInf = 0x7F80u;
+
+// Per group (quantization._metadata): lo rounded down and step up to bfloat16, rounded
+// inward to +-kBf16Max where a finite group would leave bfloat16's range; where max - lo
+// overflows, the step comes from the values times 1/4 and `scale` is 1/4 (else 1).
+template <typename acc_t>
+__device__ __forceinline__ void group_metadata(acc_t mn, acc_t mx, acc_t levels,
+                                               uint16_t& lo_bits, uint16_t& step_bits,
+                                               acc_t& scale) {
+  lo_bits = bf16_down(mn);
+  if (lo_bits == kBf16NegInf && isfinite(mn)) lo_bits = kBf16NegMax;
+  acc_t lo;
+  from_bf16(lo_bits, lo);
+  const bool finite = isfinite(mx) && isfinite(lo);
+  const acc_t span = sub_rn(mx, lo);
+  const bool huge = isinf(span) && finite;
+  acc_t raw;
+  if (huge) {
+    const acc_t a = mul_rn(mx, acc_t(0.25));
+    const acc_t b = mul_rn(lo, acc_t(0.25));
+    raw = mul_rn(div_rn(sub_rn(a, b), levels), acc_t(4));
+  } else {
+    raw = div_rn(span, levels);
+  }
+  if (raw < acc_t(0)) raw = acc_t(0);
+  step_bits = bf16_up(raw);
+  if (step_bits == kBf16PosInf && finite) step_bits = kBf16Max;
+  scale = huge ? acc_t(0.25) : acc_t(1);
+}
+
 // ---------------------------------------------------------------- bit planes (bitpack.py)
 constexpr uint64_t kLowBits = 0x0101010101010101ull;
 
@@ -285,12 +338,16 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (!active) continue;  // no shuffle below: lanes may diverge
 
-    const uint16_t lo_bits = bf16_down(mn);
+    uint16_t lo_bits;
+    uint16_t step_bits;
+    acc_t scale;  // 1, or 1/4 in a group whose span overflows: codes of the scaled values
+    group_metadata(mn, mx, levels, lo_bits, step_bits, scale);
     acc_t lo;
     from_bf16(lo_bits, lo);
-    const uint16_t step_bits = bf16_up(div_rn(sub_rn(mx, lo), levels));
+    lo = mul_rn(lo, scale);
     acc_t step;
     from_bf16(step_bits, step);
+    step = mul_rn(step, scale);
     if (l == 0) {
       a.lo[gid] = lo_bits;
       a.step[gid] = step_bits;
@@ -308,7 +365,8 @@ __global__ void __launch_bounds__(kThreads)
         if (t < valid) {
           acc_t u = half;
           if (a.stochastic) uniform(noise.hash(index0 + t), u);
-          codes |= static_cast<uint64_t>(quantize_code(v[t], lo, step, u, levels)) << (8 * t);
+          const acc_t x = mul_rn(v[t], scale);
+          codes |= static_cast<uint64_t>(quantize_code(x, lo, step, u, levels)) << (8 * t);
         }
       }
       uint8_t* o = out + k * a.bits;
@@ -318,8 +376,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------- dequantize
-// One thread per block of 8 codes: code * step + lo, two roundings (no fused multiply-add),
-// then the conversion to the output dtype (round to nearest even).
+// One thread per block of 8 codes: (code * step/4 + lo/4) * 4 (code * step/4 is exact, so
+// one rounding and no overflow), clamped to the output dtype's finite range, then converted
+// to it (round to nearest even).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeArgs a,
                                                               const bool vec) {
@@ -339,6 +398,10 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeAr
     acc_t step;
     from_bf16(a.lo[gi], lo);
     from_bf16(a.step[gi], step);
+    const bool finite = isfinite(lo) && isfinite(step);
+    const acc_t lo_q = finite ? mul_rn(lo, acc_t(0.25)) : acc_t(NAN);
+    const acc_t step_q = mul_rn(step, acc_t(0.25));
+    const acc_t top = OutputMax<scalar_t>::value;
     const uint8_t* in = a.payload + row * row_bytes + col / 8 * a.bits;
     uint64_t codes = 0;
     for (int j = 0; j < a.bits; ++j) codes |= scatter_plane(in[j]) << j;
@@ -346,7 +409,9 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantizeAr
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
       const acc_t q = static_cast<acc_t>(static_cast<uint32_t>((codes >> (8 * t)) & 0xFF));
-      r[t] = static_cast<scalar_t>(add_rn(mul_rn(q, step), lo));
+      acc_t value = mul_rn(add_rn(mul_rn(q, step_q), lo_q), acc_t(4));
+      value = value < -top ? -top : (value > top ? top : value);  // NaN stays
+      r[t] = static_cast<scalar_t>(value);
     }
     store8(out + row * a.cols + col, static_cast<int>(imin(8, a.cols - col)), vec, r);
   }

@@ -58,12 +58,30 @@ def bit_exact_inputs(dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
         ("special", special),
         ("all-nan", torch.full((2, 24), float("nan"), dtype=dtype)),
     ]
+    cases.append(("extremes", _extremes(dtype)))
     if dtype == torch.float64:
         cases.append(("beyond-fp32", randn(3, 64, scale=1e300)))
         cases.append(("below-fp32", randn(3, 64, scale=1e-300)))
     if dtype == torch.float32:
         cases.append(("overflowing-range", torch.tensor([[3e38, -3e38] * 8], dtype=dtype)))
     return cases
+
+
+def _extremes(dtype: torch.dtype) -> torch.Tensor:
+    """Rows of 64 at the ends of ``dtype``'s range: both signs (a span that overflows
+    fp32), one sign only, past bfloat16's largest value, mixed with small values."""
+    top = torch.finfo(dtype).max
+    bf16 = torch.finfo(torch.bfloat16).max
+    rows = [
+        [top, -top] * 32,
+        [-top] * 64,
+        [top] * 64,
+        [top * 0.75, -top * 0.75, 1.0, -1e-3] * 16,
+        [min(top, bf16), -min(top, bf16), 0.0, 5.0] * 16,
+        [-top, -top * 0.999, 0.0, top * 0.5] * 16,
+        [top * 0.5, top * 0.25, -top * 0.5, torch.finfo(dtype).tiny] * 16,
+    ]
+    return torch.tensor(rows, dtype=torch.float64).clamp(-top, top).to(dtype)
 
 
 def opcheck_cases(device: str) -> list[tuple[object, tuple]]:

@@ -318,3 +318,46 @@ def test_threads_option_is_restored_after_the_command(monkeypatch):
     torch.set_num_threads(2)
     assert run_cli(["bench", "kernels", "--threads", "1"]) == 0
     assert seen == [1] and torch.get_num_threads() == 2
+
+
+# --------------------------------------------------------------------------------------------
+# output paths: checked before the run, written atomically
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["--json", "--png"])
+def test_unwritable_output_is_refused_before_the_run(option, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the benchmark ran before its output path was checked")
+
+    monkeypatch.setattr(memory, "measure_level", must_not_run)
+    monkeypatch.setattr(sweep, "run", must_not_run)
+    command = ["bench", "memory", *TINY] if option == "--json" else ["bench", "sweep", "--quiet"]
+    for bad in (blocker / "out.file", tmp_path):  # parent is a file; a directory
+        assert run_cli([*command, option, str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert option in err and str(bad) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing stray
+
+
+def test_write_json_is_atomic_and_leaves_no_temporary(tmp_path, monkeypatch):
+    import os
+
+    out = tmp_path / "r.json"
+    out.write_text('{"old": true}')
+
+    def failing_replace(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError):
+        report.write_json(out, {"rows": [1]})
+    assert json.loads(out.read_text()) == {"old": True}  # the old file is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no stray temporary
+    monkeypatch.undo()
+    report.write_json(out, {"rows": [1]})
+    assert json.loads(out.read_text()) == {"rows": [1]}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]

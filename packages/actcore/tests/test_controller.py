@@ -165,6 +165,10 @@ def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         grads = [p.grad.full_tensor() for p in model.parameters()]
         if rank == 0:
             torch.save((grads, kinds), f"{out_dir}/grads.pt")
+        # Both ranks done before either tears its connections down: a rank that destroyed
+        # the group (and exited) while its peer still had gloo work in flight made the
+        # peer's gloo thread die with "terminate called without an active exception".
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -19,7 +19,7 @@ from transformers.pytorch_utils import Conv1D
 from actcore.engine import CONV, IDENTITY, stash, unstash
 from actcore.fewbit import TableCode, apply, get_table
 from actcore.layers import QLayer
-from actcore.layers.functions import own_output
+from actcore.layers.functions import guard_input, own_output
 
 __all__ = ["FEWBIT_ACTIVATIONS", "Conv1DFunction", "QConv1D", "fewbit_class_for"]
 
@@ -38,6 +38,7 @@ class Conv1DFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = unstash(ctx)
+        x = guard_input(ctx, x, weight, grad)  # a 2nd derivative through it: a clear error
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         g2 = grad.reshape(-1, grad.shape[-1])

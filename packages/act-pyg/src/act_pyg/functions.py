@@ -30,7 +30,7 @@ from actcore import ops
 from actcore.compressors import IDENTITY, Compressor, Quantize, Swap
 from actcore.config import config
 from actcore.engine import CONV, choose, layer_spec, stash, unstash
-from actcore.layers.functions import dropout_backward, dropout_with_mask
+from actcore.layers.functions import dropout_backward, dropout_with_mask, guard_input
 
 from .graph import Graph
 
@@ -112,6 +112,8 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = unstash(ctx)
+        lossy = x is not None and (ctx.projection is not None or ctx.act_plan[0][1].lossy)
+        x = guard_input(ctx, x, weight, grad, lossy)  # a 2nd derivative: a clear error
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g2 = grad.reshape(-1, grad.shape[-1])
         gx = grad.matmul(weight) if need_x else None

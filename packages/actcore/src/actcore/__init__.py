@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import compressors, engine, ops, policies
+from . import compressors, engine, ops, policies, resume, rng
 from .config import LEVELS, Config, LevelSpec, config, set_optimization_level
 from .controller import Controller
 from .convert import ConversionReport, QModule, convert
@@ -27,6 +27,8 @@ __all__ = [
     "engine",
     "ops",
     "policies",
+    "resume",
+    "rng",
     "set_optimization_level",
     *_layer_names,
 ]

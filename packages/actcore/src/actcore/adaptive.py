@@ -37,14 +37,26 @@ get the batch mean, so ``r = 1`` before any is seen): ``V_li = s_l * r_i * w_li 
 Ranks then order ``r_i w_li`` instead of ``w_li``. The tables cost one float per dataset
 sample and layer. Without an index nothing of this runs.
 
+Steps. A step is one backward pass through the model's Q-layers (a module called twice in
+one forward still counts once); the plan is recomputed at the end of every ``interval``-th.
+With gradient accumulation every micro-batch's backward is a step.
+
+Faults. A statistic whose new value is not finite (an fp16 step that overflows and that a
+``GradScaler`` then skips, one bad batch) is not taken into the averages: they keep their
+last finite values, the skip is counted (:attr:`AdaptiveBits.skipped`, checked without a
+host sync on the device) and logged once.
+
 The statistics and the plan are in :meth:`AdaptiveBits.state_dict`, so a resumed run keeps
-its plan.
+its plan and replans as the uninterrupted run would; :meth:`AdaptiveBits.load_state_dict`
+checks the whole state before changing anything.
 """
 
 from __future__ import annotations
 
 import heapq
+import logging
 import math
+import numbers
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +74,8 @@ from .compressors import (
 )
 from .config import config
 
+log = logging.getLogger("actcore")
+
 
 @dataclass
 class _LayerStats:
@@ -73,8 +87,10 @@ class _LayerStats:
     zero_value: bool = False
     plan: list[int] = field(default_factory=list)  # bits by rank (non-increasing)
     norm: bool = False  # a normalization layer (its input error reaches the input gradient)
-    calls: int = 0  # tensors chosen for so far (one per step in a plain training loop)
     grads: torch.Tensor | None = None  # [samples]: squared output-grad norm (NaN: unseen)
+    # finite values taken into sens / profile so far (None: every value was finite)
+    sens_seen: torch.Tensor | None = None
+    profile_seen: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,6 +139,31 @@ def _ema(old: torch.Tensor | None, new: torch.Tensor, momentum: float) -> torch.
     if old is None or old.shape != new.shape or old.device != new.device:
         return new.clone()
     return old.mul_(momentum).add_(new, alpha=1 - momentum)
+
+
+def _finite_ema(
+    old: torch.Tensor | None,
+    seen: torch.Tensor | None,
+    new: torch.Tensor,
+    momentum: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(average, finite values seen, taken)``: ``new`` enters only if all of it is finite.
+
+    Device ops only (no host sync): a non-finite ``new`` leaves the average as it was (zero
+    before any finite value), and ``taken`` is a 0-d bool tensor saying whether it entered.
+    """
+    new = new.detach().float()
+    taken = torch.isfinite(new).all()
+    fresh = old is None or old.shape != new.shape or old.device != new.device
+    if fresh:
+        old = torch.zeros_like(new)
+        seen = torch.zeros((), dtype=torch.int64, device=new.device)
+    elif seen is None:  # set by hand (tests, old states): holds a finite value already
+        seen = torch.ones((), dtype=torch.int64, device=new.device)
+    assert old is not None and seen is not None
+    safe = torch.where(torch.isfinite(new), new, 0.0)
+    averaged = torch.where(seen > 0, old * momentum + safe * (1 - momentum), safe)
+    return torch.where(taken, averaged, old), seen + taken.long(), taken
 
 
 def _gain(weight: float, bits: int) -> float:
@@ -174,6 +215,10 @@ class AdaptiveBits:
         self.min_bits, self.max_bits = min_bits, max_bits
         self.steps = 0
         self.layers: dict[str, _LayerStats] = {}
+        self.skipped = 0  # statistic updates left out for non-finite values (at last replan)
+        self._skipped: dict[torch.device, torch.Tensor] = {}  # the same, counted on device
+        self._warned = False
+        self._task: int | bool | None = None  # the backward pass whose end is awaited
         if model is not None:
             self.attach(model)
 
@@ -268,11 +313,6 @@ class AdaptiveBits:
         if name is None or x.dim() == 0 or x.shape[0] == 0:
             return None
         stats = self.layers.setdefault(name, _LayerStats())
-        stats.calls += 1
-        if stats.calls > self.steps:  # the first layer to run in a new step counts it
-            self.steps = stats.calls
-            if self.steps % self.interval == 0:
-                self.replan()
         gs = config.group_size
         n = x.shape[0]
         with torch.no_grad():
@@ -280,7 +320,11 @@ class AdaptiveBits:
             weights = sample_range_weights(x, gs)
             if scale is not None:
                 weights = weights * scale
-            stats.profile = _ema(stats.profile, weights.sort(descending=True).values, self.momentum)
+            profile = weights.sort(descending=True).values
+            stats.profile, stats.profile_seen, taken = _finite_ema(
+                stats.profile, stats.profile_seen, profile, self.momentum
+            )
+            self._count_skip(taken)
             if mask is not None:
                 stats.zero_value = True
                 nonzero = x.count_nonzero().float() / n
@@ -305,13 +349,17 @@ class AdaptiveBits:
             return
         stats = self.layers.setdefault(name, _LayerStats())
         stats.norm = norm
+        self._note_backward()
         n = grad.shape[0]
         per_sample = grad.numel() // n
         positions = max(1, per_sample // grad.shape[channel_dim])
         fan = 1.0 / per_sample if norm else kernel / positions
         with torch.no_grad():
             square = grad.detach().float().square()
-            stats.sens = _ema(stats.sens, square.sum() * (fan / n), self.momentum)
+            stats.sens, stats.sens_seen, taken = _finite_ema(
+                stats.sens, stats.sens_seen, square.sum() * (fan / n), self.momentum
+            )
+            self._count_skip(taken)
             index, table = self._device_index(grad.device), stats.grads
             if (
                 index is not None
@@ -322,9 +370,52 @@ class AdaptiveBits:
                 norms = square.reshape(n, -1).sum(1)
                 old = table.index_select(0, index)
                 m = self.sample_momentum
-                table.index_copy_(
-                    0, index, torch.where(old.isnan(), norms, old * m + norms * (1 - m))
-                )
+                mixed = torch.where(old.isnan(), norms, old * m + norms * (1 - m))
+                # a non-finite norm leaves the sample's entry as it was
+                table.index_copy_(0, index, torch.where(norms.isfinite(), mixed, old))
+
+    # --- steps and faults -------------------------------------------------------------------
+
+    def _note_backward(self) -> None:
+        """Count the backward pass now running once, at its end (from any layer's backward)."""
+        task = _graph_task()
+        if task is not None and task >= 0:
+            if task == self._task:
+                return
+            self._task = task
+        elif self._task is not None:
+            return
+        else:
+            self._task = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._task = None
+        self.steps += 1
+        if self.steps % self.interval == 0:
+            self.replan()
+
+    def _count_skip(self, taken: torch.Tensor) -> None:
+        counter = self._skipped.get(taken.device)
+        if counter is None:
+            counter = self._skipped[taken.device] = torch.zeros(
+                (), dtype=torch.int64, device=taken.device
+            )
+        counter.add_((~taken).long())
+
+    def _read_skipped(self) -> None:
+        """Fold the device counters into :attr:`skipped` (a host read: at replans only)."""
+        for counter in self._skipped.values():
+            self.skipped += int(counter)
+            counter.zero_()
+        if self.skipped and not self._warned:
+            self._warned = True
+            log.warning(
+                "actcore adaptive bits: %d statistic update(s) left out for non-finite values "
+                "(an overflowing fp16 step or a bad batch); the averages keep their last "
+                "finite values (logged once)",
+                self.skipped,
+            )
 
     # --- the plan ---------------------------------------------------------------------------
 
@@ -345,8 +436,12 @@ class AdaptiveBits:
         for name, st in self.layers.items():
             if st.sens is None or st.profile is None or st.elems is None:
                 continue
+            if any(seen is not None and int(seen) == 0 for seen in (st.sens_seen, st.profile_seen)):
+                continue  # no finite value yet
             sens, elems = float(st.sens), float(st.elems)
             profile = st.profile.double().cpu().tolist()
+            if not all(math.isfinite(v) for v in (sens, elems, *profile)):
+                continue
             if st.zero_value:  # one width for the whole tensor
                 items.append((name, -1, sens * sum(profile) / 4, elems * len(profile)))
             else:
@@ -355,6 +450,7 @@ class AdaptiveBits:
 
     def replan(self) -> None:
         """Recompute the plan from the statistics so far (reads them back: one sync)."""
+        self._read_skipped()
         items = self._items()
         if not items:
             return
@@ -412,6 +508,8 @@ class AdaptiveBits:
     # --- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to replan as this one would."""
+        self._read_skipped()
         layers = {}
         for name, st in self.layers.items():
             layers[name] = {
@@ -419,8 +517,11 @@ class AdaptiveBits:
                 "profile": st.profile,
                 "elems": st.elems,
                 "zero_value": st.zero_value,
+                "norm": st.norm,
                 "plan": torch.tensor(st.plan, dtype=torch.int8),
                 "grads": st.grads,
+                "sens_seen": st.sens_seen,
+                "profile_seen": st.profile_seen,
             }
         return {
             "budget": self.budget,
@@ -431,22 +532,158 @@ class AdaptiveBits:
             "steps": self.steps,
             "num_samples": self.num_samples,
             "sample_momentum": self.sample_momentum,
+            "skipped": self.skipped,
             "layers": layers,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.budget, self.interval = float(state["budget"]), int(state["interval"])
-        self.momentum = float(state["momentum"])
-        self.min_bits, self.max_bits = int(state["min_bits"]), int(state["max_bits"])
-        self.steps = int(state["steps"])
-        self.num_samples = state.get("num_samples", self.num_samples)
-        self.sample_momentum = float(state.get("sample_momentum", self.sample_momentum))
-        for name, entry in state["layers"].items():
-            st = self.layers.setdefault(name, _LayerStats())
-            st.sens, st.profile, st.elems = entry["sens"], entry["profile"], entry["elems"]
-            st.zero_value = bool(entry["zero_value"])
-            st.calls = self.steps
-            st.plan = [int(b) for b in entry["plan"].tolist()]
-            st.grads = entry.get("grads")
+        """Resume from :meth:`state_dict`; checks all of it first and changes nothing on error."""
+        top, layers = _checked_state(state)
+        index_end = self._index_end
+        for st in layers.values():
             if st.grads is not None:
-                self._index_end = max(self._index_end, st.grads.shape[0])
+                index_end = max(index_end, st.grads.shape[0])
+        (
+            self.budget,
+            self.interval,
+            self.momentum,
+            self.min_bits,
+            self.max_bits,
+            self.steps,
+            self.num_samples,
+            self.sample_momentum,
+            self.skipped,
+        ) = top
+        self.layers.update(layers)
+        self._index_end = index_end
+        self._skipped = {}
+        self._task = None
+
+
+def _graph_task() -> int | None:
+    """The id of the backward pass running on this thread (-1: none; None: unknown)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return None if current is None else int(current())
+
+
+def _number(state: dict[str, Any], key: str, kind: type, default: Any = None) -> Any:
+    if key not in state:
+        if default is not None:
+            return default
+        raise KeyError(f"AdaptiveBits state lacks {key!r}")
+    value = state[key]
+    ok = isinstance(value, numbers.Integral if kind is int else numbers.Real)
+    if not ok or isinstance(value, bool):
+        raise TypeError(f"AdaptiveBits state {key!r} must be a {kind.__name__}, got {value!r}")
+    return kind(value)
+
+
+def _tensor(entry: dict[str, Any], key: str, name: str, dim: int | None) -> torch.Tensor | None:
+    value = entry.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"layer {name!r}: {key} must be a tensor or None, got {value!r}")
+    if dim is not None and value.dim() != dim:
+        raise ValueError(f"layer {name!r}: {key} must be {dim}-D, got shape {tuple(value.shape)}")
+    return value
+
+
+def _checked_state(state: Any) -> tuple[tuple, dict[str, _LayerStats]]:
+    """The values of an AdaptiveBits state, checked; ValueError/TypeError/KeyError if bad."""
+    if not isinstance(state, dict):
+        raise TypeError(f"AdaptiveBits state must be a dict, got {type(state).__name__}")
+    budget = _number(state, "budget", float)
+    min_bits, max_bits = _number(state, "min_bits", int), _number(state, "max_bits", int)
+    if not 1 <= min_bits <= budget <= max_bits <= 8:
+        raise ValueError(
+            "AdaptiveBits state needs 1 <= min_bits <= budget <= max_bits <= 8, got "
+            f"{min_bits}, {budget}, {max_bits}"
+        )
+    interval = _number(state, "interval", int)
+    if interval < 1:
+        raise ValueError(f"AdaptiveBits state interval must be a positive int, got {interval}")
+    momentum = _number(state, "momentum", float)
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"AdaptiveBits state momentum must be in [0, 1), got {momentum}")
+    steps = _number(state, "steps", int)
+    if steps < 0:
+        raise ValueError(f"AdaptiveBits state steps must be >= 0, got {steps}")
+    num_samples = state.get("num_samples")
+    if num_samples is not None:
+        num_samples = _number(state, "num_samples", int)
+        if num_samples < 1:
+            raise ValueError(f"AdaptiveBits state num_samples must be >= 1, got {num_samples}")
+    sample_momentum = _number(state, "sample_momentum", float, 0.0)
+    if not 0.0 <= sample_momentum < 1.0:
+        raise ValueError(
+            f"AdaptiveBits state sample_momentum must be in [0, 1), got {sample_momentum}"
+        )
+    skipped = _number(state, "skipped", int, 0)
+    if skipped < 0:
+        raise ValueError(f"AdaptiveBits state skipped must be >= 0, got {skipped}")
+    entries = state.get("layers")
+    if not isinstance(entries, dict):
+        raise TypeError(f"AdaptiveBits state 'layers' must be a dict, got {type(entries).__name__}")
+    layers = {}
+    for name, entry in entries.items():
+        if not isinstance(entry, dict):
+            raise TypeError(f"layer {name!r}: entry must be a dict, got {type(entry).__name__}")
+        layers[name] = _checked_layer(str(name), entry, min_bits, max_bits)
+    top = (budget, interval, momentum, min_bits, max_bits, steps, num_samples, sample_momentum)
+    return (*top, skipped), layers
+
+
+def _checked_layer(name: str, entry: dict[str, Any], min_bits: int, max_bits: int) -> _LayerStats:
+    sens = _tensor(entry, "sens", name, 0)
+    profile = _tensor(entry, "profile", name, 1)
+    elems = _tensor(entry, "elems", name, 0)
+    for key, t in (("sens", sens), ("profile", profile), ("elems", elems)):
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"layer {name!r}: {key} holds non-finite values")
+    zero_value, norm = entry.get("zero_value", False), entry.get("norm", False)
+    for key, flag in (("zero_value", zero_value), ("norm", norm)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"layer {name!r}: {key} must be a bool, got {flag!r}")
+    raw_plan = entry.get("plan", [])
+    if isinstance(raw_plan, torch.Tensor):
+        if raw_plan.dim() != 1 or raw_plan.is_floating_point():
+            raise ValueError(f"layer {name!r}: plan must be a 1-D integer tensor")
+        raw_plan = raw_plan.tolist()
+    if not isinstance(raw_plan, (list, tuple)) or not all(
+        isinstance(b, int) and not isinstance(b, bool) for b in raw_plan
+    ):
+        raise TypeError(f"layer {name!r}: plan must hold ints, got {raw_plan!r}")
+    plan = [int(b) for b in raw_plan]
+    bad = [b for b in plan if not min_bits <= b <= max_bits]
+    if bad:
+        raise ValueError(
+            f"layer {name!r}: plan bits {bad} outside min_bits..max_bits = {min_bits}..{max_bits}"
+        )
+    if plan != sorted(plan, reverse=True):
+        raise ValueError(f"layer {name!r}: plan must give bits by rank, largest first: {plan}")
+    if plan and profile is not None:
+        expected = 1 if zero_value else profile.shape[0]
+        if len(plan) != expected:
+            raise ValueError(
+                f"layer {name!r}: plan has {len(plan)} entries, its statistics need {expected}"
+            )
+    grads = _tensor(entry, "grads", name, 1)
+    if grads is not None and (not grads.is_floating_point() or bool(grads.isinf().any())):
+        raise ValueError(f"layer {name!r}: grads must be finite floats (NaN: sample unseen)")
+    seen = {}
+    for key in ("sens_seen", "profile_seen"):
+        t = _tensor(entry, key, name, 0)
+        if t is not None and (t.is_floating_point() or int(t) < 0):
+            raise ValueError(f"layer {name!r}: {key} must be a count >= 0")
+        seen[key] = t
+    return _LayerStats(
+        sens=sens,
+        profile=profile,
+        elems=elems,
+        zero_value=zero_value,
+        plan=plan,
+        norm=norm,
+        grads=grads,
+        **seen,
+    )

@@ -59,6 +59,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             validate(args)
         except (ValueError, RouteUnavailable) as err:
             getattr(args, "_parser", parser).error(str(err))  # exits 2
+    if getattr(args, "json", None) or getattr(args, "png", None):
+        from .bench.report import check_outputs
+
+        try:  # before the run: a bad path must not cost the results
+            check_outputs(args)
+        except ValueError as err:
+            getattr(args, "_parser", parser).error(str(err))  # exits 2
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:
         getattr(args, "_parser", parser).error(f"--threads must be >= 1, got {threads}")

@@ -30,7 +30,8 @@ from torch import nn
 from .fewbit.convert import swap_activation
 from .fewbit.tables import check_bits
 from .hooks import SavedTensorCompressor
-from .policies import HookLevel, Policy, hook_level, make_policy
+from .policies import HookLevel, Policy, check_iteration, hook_level, make_policy
+from .rng import SeedStream
 
 __all__ = ["Controller", "swap_activations"]
 
@@ -64,6 +65,9 @@ class Controller:
             save a packed ``fewbit_bits``-bit derivative index (an integer tensor, which the
             hooks keep as it is) instead of their input; Threshold/Hardsigmoid/shrinks get
             an exact 1-bit mask. Forward outputs do not change. ``fewbit_swapped`` lists them.
+        seed: of the controller's own stream of rounding seeds (:mod:`actcore.rng`; default:
+            from torch's generator state now, without drawing from it). It is in
+            :meth:`state_dict`, so a resumed run rounds as the uninterrupted one.
         **overrides: ``min_numel``, ``group_size``, ``exact_ops`` (see
             :func:`actcore.compress_saved_tensors`), and the policy's options (``bits``,
             ``avg_bits``, ``adapt_interval``, ``error_bound``, ``max_passes``, ``swap``, ...).
@@ -76,6 +80,7 @@ class Controller:
         *,
         policy: str | Policy | None = None,
         fewbit_bits: int | None = None,
+        seed: int | None = None,
         **overrides: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -86,6 +91,8 @@ class Controller:
         self.policy = make_policy(self.level, policy, **overrides)
         self.model = model
         self.engine = SavedTensorCompressor(self.policy, **engine_opts)
+        self.rng = SeedStream(seed)
+        self.engine.stream = self.rng
         self.iteration = 0
         self._installed = False
 
@@ -152,15 +159,24 @@ class Controller:
             "level": self.level.name,
             "iteration": self.iteration,
             "policy": self.policy.state_dict(),
+            "rng": self.rng.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: same iteration count and the same bit plan."""
+        if not isinstance(state, dict):
+            raise TypeError(f"Controller state must be a dict, got {type(state).__name__}")
         missing = {"iteration", "policy"} - set(state)
         if missing:
             raise KeyError(f"Controller state lacks {sorted(missing)}")
-        self.policy.load_state_dict(state["policy"])
-        self.iteration = int(state["iteration"])
+        iteration = check_iteration(state["iteration"], "Controller")
+        stream = state.get("rng")
+        if stream is not None:
+            SeedStream(0).load_state_dict(stream)  # checked before anything changes
+        self.policy.load_state_dict(state["policy"])  # checks all first, then changes
+        self.iteration = iteration
+        if stream is not None:
+            self.rng.load_state_dict(stream)
 
     def __repr__(self) -> str:
         return (

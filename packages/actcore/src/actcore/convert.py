@@ -20,7 +20,8 @@ from .compressors import IDENTITY, Compressor, Quantize, ZeroValue
 from .config import LevelSpec, config, level_spec
 from .fewbit.convert import SMOOTH_LEFT, fewbit_target, is_fewbit, swap_activation
 from .layers.modules import Q_LAYERS, QLayer, unsupported_reason
-from .policies import POLICY_OPTIONS, Policy, make_policy
+from .policies import POLICY_OPTIONS, Policy, check_iteration, make_policy
+from .rng import attach_stream
 from .scope import attach_scope, detach_scope
 
 log = logging.getLogger("actcore")
@@ -94,6 +95,7 @@ def convert(
     fewbit_bits: int | Any | None = _DEFAULT,
     layers_only: bool = False,
     policy: str | Policy | None = None,
+    seed: int | None = None,
     **policy_options: Any,
 ) -> nn.Module:
     """Compress what ``model`` keeps for backward at ``level`` (default: ``config.level``).
@@ -125,6 +127,10 @@ def convert(
     adaptive bits); the level still says which roles are compressed and whether to swap.
     The model's ``act_policy`` (a :class:`PolicyScheme`) then offers ``iterate(backprop)``
     and ``state_dict()`` as :class:`actcore.Controller` does.
+
+    ``seed``: of the model's own stream of rounding seeds (``model.act_rng``, see
+    :mod:`actcore.rng`; default: from torch's generator state now, without drawing from it).
+    :func:`actcore.resume.state_dict` gathers it with the bit plans for a bit-exact resume.
     """
     _check_model(model)
     spec = level_spec(level if level is not None else config.level)
@@ -149,6 +155,7 @@ def convert(
             continue
         if isinstance(module, QLayer):
             module.act_level = spec.name
+            module.act_name = name  # errors name the layer
             report.converted[name] = type(module).__name__
             continue
         if fewbit_target(module)[0] is not None or is_fewbit(module):
@@ -168,7 +175,9 @@ def convert(
             continue
         module.__class__ = target
         module.act_level = spec.name
+        module.act_name = name
         report.converted[name] = target.__name__
+    attach_stream(model, seed)
     _set_adaptive(model, spec.adaptive and scheme is None)
     _set_policy(model, scheme)
     if layers_only or not (spec.compresses or spec.swap):
@@ -359,8 +368,9 @@ class PolicyScheme:
         missing = {"iteration", "policy"} - set(state)
         if missing:
             raise KeyError(f"PolicyScheme state lacks {sorted(missing)}")
-        self.policy.load_state_dict(state["policy"])
-        self.iteration = int(state["iteration"])
+        iteration = check_iteration(state["iteration"], "PolicyScheme")
+        self.policy.load_state_dict(state["policy"])  # checks all first, then changes
+        self.iteration = iteration
 
     def __repr__(self) -> str:
         return f"PolicyScheme({self.policy!r}, iteration={self.iteration})"

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import engine, memory, ops
+from . import engine, memory, ops, rng
 from .compressors import Compressor, Quantize, Swap, ZeroValue
 from .op_mode import OpMode, created_by_attention
 
@@ -274,6 +274,7 @@ class SavedTensorCompressor:
         self.model: nn.Module | None = None
         self.stats: PassStats | None = None  # set by policies while estimating
         self.seeds: dict[str, int] | None = None  # fixed rounding seeds while estimating
+        self.stream: Any = None  # an actcore.rng.SeedStream for the rounding seeds, or None
         self._param_ptrs: set[int] = set()
         self._dedup: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._prune_at = 4096
@@ -516,7 +517,8 @@ class SavedTensorCompressor:
                 comp = ZeroValue(known, Quantize(bits, self.group_size, per_sample=False))
             elif fn is not None and type(fn).__name__ in _RELU_NODES:
                 mask = ops.pack_mask(data != 0)
-        tensors, meta = comp.pack(data)
+        with rng.using(self.stream):
+            tensors, meta = comp.pack(data)
         stored = _Stored(comp, tuple(tensors), meta, mask)
         h.stored = stored
         if plain and mask is None and comp.lossy:  # a Q-layer saving t later reuses it

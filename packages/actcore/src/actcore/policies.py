@@ -16,13 +16,20 @@ gradient by ``E||dg||^2 = sum_l c_l * Q_l(b_l)``. The sensitivities ``c_l`` are 
 fresh rounding seed in one pass, so ``||g_probe - g_base||^2`` estimates ``2 * sum_G c_l Q_l``).
 Dropout and other RNG use are replayed identically in every pass. The amortised cost is at most
 ``(1 + max_passes) / adapt_interval`` iterations per iteration.
+
+An estimate whose gradients or spreads are not finite (an overflowing fp16 step, a bad batch)
+is dropped whole: sensitivities and plan stay as they were, the drop is counted
+(``skipped``) and logged once. ``load_state_dict`` checks a whole state before changing
+anything.
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +38,8 @@ import torch
 from torch import nn
 
 from .ops.api import check_bits
+
+log = logging.getLogger("actcore")
 
 __all__ = [
     "ACGC",
@@ -120,6 +129,8 @@ class Policy:
         return {"name": self.name}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict):
+            raise TypeError(f"a policy state must be a dict, got {type(state).__name__}")
         if state.get("name", self.name) != self.name:
             raise ValueError(f"state of a {state.get('name')!r} policy given to {self.name!r}")
 
@@ -136,6 +147,17 @@ class FixedBits(Policy):
 
     def bits_for(self, key: str) -> int | None:
         return self.bits
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "bits": self.bits}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        bits = state.get("bits", self.bits)
+        if bits != self.bits:
+            raise ValueError(
+                f"state of FixedBits(bits={bits!r}) given to FixedBits(bits={self.bits})"
+            )
 
     def __repr__(self) -> str:
         return f"FixedBits(bits={self.bits}, swap={self.swap})"
@@ -208,6 +230,7 @@ class AdaptivePolicy(Policy):
         self.grad_sq = 0.0  # ||g||^2 at the last estimate
         self.estimates = 0
         self.predicted_error = float("nan")  # predicted relative gradient error of the plan
+        self.skipped = 0  # estimates dropped for non-finite gradients or spreads
         self._probing = False
 
     # ---- decisions --------------------------------------------------------------------------
@@ -271,6 +294,9 @@ class AdaptivePolicy(Policy):
             for p, g in zip(params, saved, strict=True):
                 p.grad = g
             _set_rng_state(rng)
+        if not all(math.isfinite(v) for v in (grad_sq, *diff_values, *spreads.values())):
+            self._skip()
+            return
         for group, d in zip(groups, diff_values, strict=True):
             var = sum(spreads[k] / (2 ** base.bits[k] - 1) ** 2 for k in group)
             c = d / (2.0 * var) if var > 0 else 0.0
@@ -282,6 +308,16 @@ class AdaptivePolicy(Policy):
         self.grad_sq = grad_sq
         self.estimates += 1
         self._allocate(keys)
+
+    def _skip(self) -> None:
+        self.skipped += 1
+        if self.skipped == 1:
+            log.warning(
+                "actcore %s policy: a sensitivity estimate met non-finite gradients (an "
+                "overflowing fp16 step or a bad batch) and was dropped; the plan stays as it "
+                "was (logged once, counted in .skipped)",
+                self.name,
+            )
 
     def _weights(self, keys: list[str]) -> dict[str, float]:
         return {k: max(self.sensitivity.get(k, 0.0), 0.0) * self.spread.get(k, 0.0) for k in keys}
@@ -301,17 +337,81 @@ class AdaptivePolicy(Policy):
             "grad_sq": self.grad_sq,
             "estimates": self.estimates,
             "predicted_error": self.predicted_error,
+            "skipped": self.skipped,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; checks all of it first and changes nothing on error."""
         super().load_state_dict(state)
-        self.plan = dict(state.get("plan", {}))
-        self.sensitivity = dict(state.get("sensitivity", {}))
-        self.spread = dict(state.get("spread", {}))
-        self.numel = dict(state.get("numel", {}))
-        self.grad_sq = float(state.get("grad_sq", 0.0))
-        self.estimates = int(state.get("estimates", 0))
-        self.predicted_error = float(state.get("predicted_error", float("nan")))
+        who = f"{self.name!r} policy state"
+        plan = _mapping(state, "plan", who)
+        for key, bits in plan.items():
+            if bits is None and self.name == "acgc":  # AC-GC keeps such a tensor exact
+                continue
+            if isinstance(bits, bool) or not isinstance(bits, numbers.Integral):
+                raise TypeError(f"{who}: plan[{key!r}] must be an int, got {bits!r}")
+            if not self.min_bits <= bits <= self.max_bits:
+                raise ValueError(
+                    f"{who}: plan[{key!r}] = {bits} outside min_bits..max_bits = "
+                    f"{self.min_bits}..{self.max_bits}"
+                )
+        sensitivity = _floats(state, "sensitivity", who, low=None)
+        spread = _floats(state, "spread", who, low=0.0)
+        numel = _mapping(state, "numel", who)
+        for key, n in numel.items():
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+                raise ValueError(f"{who}: numel[{key!r}] must be an int >= 0, got {n!r}")
+        missing = sorted(set(plan) - set(numel))
+        if missing:
+            raise ValueError(f"{who}: plan keys {missing[:3]} have no numel")
+        grad_sq = _scalar(state, "grad_sq", who, 0.0, low=0.0)
+        estimates = int(_scalar(state, "estimates", who, 0, low=0.0, integral=True))
+        skipped = int(_scalar(state, "skipped", who, 0, low=0.0, integral=True))
+        predicted = state.get("predicted_error", math.nan)
+        if not isinstance(predicted, numbers.Real) or predicted < 0 or math.isinf(predicted):
+            raise ValueError(f"{who}: predicted_error must be >= 0 or NaN, got {predicted!r}")
+        self.plan = {str(k): (None if b is None else int(b)) for k, b in plan.items()}
+        self.sensitivity, self.spread = sensitivity, spread
+        self.numel = {str(k): int(n) for k, n in numel.items()}
+        self.grad_sq, self.estimates, self.skipped = grad_sq, estimates, skipped
+        self.predicted_error = float(predicted)
+
+
+def check_iteration(value: Any, who: str) -> int:
+    """An iteration count from a state: an int >= 0, else TypeError/ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{who} state iteration must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{who} state iteration must be >= 0, got {value}")
+    return int(value)
+
+
+def _mapping(state: dict[str, Any], key: str, who: str) -> dict:
+    value = state.get(key, {})
+    if not isinstance(value, dict):
+        raise TypeError(f"{who}: {key} must be a dict, got {type(value).__name__}")
+    return value
+
+
+def _floats(state: dict[str, Any], key: str, who: str, low: float | None) -> dict[str, float]:
+    out = {}
+    for k, v in _mapping(state, key, who).items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            raise ValueError(f"{who}: {key}[{k!r}] must be a finite number, got {v!r}")
+        if low is not None and v < low:
+            raise ValueError(f"{who}: {key}[{k!r}] must be >= {low}, got {v!r}")
+        out[str(k)] = float(v)
+    return out
+
+
+def _scalar(
+    state: dict[str, Any], key: str, who: str, default: float, low: float, integral: bool = False
+) -> float:
+    v = state.get(key, default)
+    kind = numbers.Integral if integral else numbers.Real
+    if isinstance(v, bool) or not isinstance(v, kind) or not math.isfinite(v) or v < low:
+        raise ValueError(f"{who}: {key} must be a finite number >= {low}, got {v!r}")
+    return float(v)
 
 
 def _split(keys: list[str], parts: int) -> list[list[str]]:

@@ -17,6 +17,7 @@ import os
 import platform
 import shlex
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,14 +109,62 @@ def config_from_args(cls: type[_Config], args: argparse.Namespace) -> _Config:
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
+def check_output_path(path: str | os.PathLike[str], option: str) -> Path:
+    """``path`` if a file can be written there (parents created), else ValueError naming it.
+
+    Run before a benchmark, so a bad ``--json``/``--png`` is found before the work, not after.
+    Creates and removes a probe file in the target directory; an existing file is untouched.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{option} {str(path)!r} is a directory; give a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=path.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(
+            f"{option} {str(path)!r} cannot be written: {err.strerror or err}"
+        ) from None
+    return path
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to; renamed onto ``path`` on success and
+    removed on any error, so neither a half-written file nor a stray temporary stays."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def write_json(path: str | os.PathLike[str], data: dict[str, Any]) -> Path:
     """Write ``data`` to ``path`` (parents created), atomically: never a half-written file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean(data), indent=2) + "\n")
-    tmp.replace(path)
+    text = json.dumps(_clean(data), indent=2) + "\n"
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
     return path
+
+
+OUTPUT_OPTIONS = (("json", "--json"), ("png", "--png"))
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Check every output path option of a parsed command line (``--json``, ``--png``)."""
+    for attr, option in OUTPUT_OPTIONS:
+        value = getattr(args, attr, None)
+        if value:
+            check_output_path(value, option)
 
 
 # --------------------------------------------------------------------------------------------

@@ -119,8 +119,9 @@ def figure(cfg: SweepConfig, rows: list[dict[str, Any]]) -> Any:
 def plot(cfg: SweepConfig, rows: list[dict[str, Any]], path: str | Path) -> Path:
     """Save :func:`figure` as a PNG at ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure(cfg, rows).savefig(path)
+    fig = figure(cfg, rows)
+    with report.atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     return path
 
 

@@ -7,6 +7,12 @@ multiplies the incoming gradient by ``levels[code]``. What differs between activ
 only the *code*: a :class:`TableCode` (interval of ``x``, or of ``|x|``, in an optimal
 table) or a :class:`MaskCode` (a torch-exact comparison, for piecewise-linear activations
 whose derivative takes two values).
+
+NaN. A table has no code to spare for NaN, so a tensor with a NaN anywhere in its input gets
+a NaN gradient everywhere (a flag kept beside the codes: a 0-d tensor on a GPU, no device
+sync; a Python bool on the CPU; the derivative of a smooth
+activation at NaN is NaN, and it is never hidden). Mask codes follow torch's own backward,
+NaN included (e.g. ``hardsigmoid``'s is 0 there).
 """
 
 from __future__ import annotations
@@ -16,9 +22,9 @@ from typing import Protocol
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .. import ops
+from ..layers.functions import link, no_second_derivative
 from .tables import Table
 
 __all__ = ["Code", "MaskCode", "TableCode", "apply"]
@@ -119,25 +125,62 @@ class MaskCode:
 
 class _FewBitFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, forward: Callable[[Tensor], Tensor], code: Code, inplace: bool):
+    def forward(
+        ctx,
+        x: Tensor,
+        forward: Callable[[Tensor], Tensor],
+        code: Code,
+        inplace: bool,
+        x_link: Tensor | None = None,
+    ):
         packed = ops.pack_bits(code.encode(x), code.bits)  # before an in-place forward
+        # a table has no code for NaN: a 0-d flag (no host sync) makes the gradient NaN
+        nan: Tensor | bool | None = x.isnan().any() if isinstance(code, TableCode) else None
+        if nan is not None and x.device.type == "cpu":
+            nan = bool(nan)  # no device to sync with: a Python bool holds no memory
         y = forward(x)
         if inplace:
             ctx.mark_dirty(x)
         ctx.save_for_backward(packed)
+        ctx.nan = nan
         ctx.code = code
         ctx.shape = x.shape
+        ctx.x_link = x_link
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: Tensor):
+        if torch.is_grad_enabled():  # create_graph: d/dgrad exact, d/dx unavailable
+            with torch.no_grad():
+                slope = _FewBitFunction._slope(ctx, grad)
+            if isinstance(ctx.code, TableCode):  # a mask's derivative has derivative 0
+                slope = no_second_derivative(
+                    slope, f"the few-bit activation derivative {ctx.code!r}", (ctx.x_link,)
+                )
+            return grad * slope.to(grad.dtype), None, None, None, None
+        return (
+            grad.to(_compute_dtype(grad.dtype))
+            .mul(_FewBitFunction._slope(ctx, grad))
+            .to(grad.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+    @staticmethod
+    def _slope(ctx, grad: Tensor) -> Tensor:
         (packed,) = ctx.saved_tensors
+        nan = ctx.nan
         shape: torch.Size = ctx.shape
         index = ops.unpack_bits(packed, ctx.code.bits, shape.numel()).to(torch.int32)
         dtype = _compute_dtype(grad.dtype)
         slope = ctx.code.levels(dtype, grad.device).index_select(0, index).view(shape)
-        return grad.to(dtype).mul(slope).to(grad.dtype), None, None, None
+        if isinstance(nan, Tensor):  # NaN in, NaN out: f'(NaN) is NaN
+            slope = torch.where(nan, torch.nan, slope)
+        elif nan:
+            slope = torch.full_like(slope, torch.nan)
+        return slope
 
 
 def apply(
@@ -159,4 +202,4 @@ def apply(
         return forward(x)
     if not hasattr(code, "encode"):
         code = code()
-    return _FewBitFunction.apply(x, forward, code, inplace)
+    return _FewBitFunction.apply(x, forward, code, inplace, link(x))

@@ -28,6 +28,87 @@ from ..engine import (
 
 aten = torch.ops.aten
 
+# --- double backward ---------------------------------------------------------------------
+#
+# A backward run with ``create_graph=True`` builds a graph of itself for a second derivative
+# (gradient penalties). Per op (see the README's "Works with"):
+# * exact tensors (masks, max-pool offsets, inputs kept at full precision, weights): the
+#   backward is made of differentiable ops on them, so the second derivative is exact;
+# * normalization layers, SyncBatchNorm, with a compressed input: their input gradient
+#   depends on the input itself, which is gone; a create_graph backward through them raises
+#   at once, naming the layer;
+# * conv/linear with a compressed input: the input gradient (``grad @ W``) is exact; only the
+#   weight gradient uses the restored input, whose own derivative is unavailable: it is
+#   wired to raise, naming the layer, if (and only if) a second derivative needs it.
+
+
+def link(x: torch.Tensor) -> torch.Tensor | None:
+    """An empty tensor on ``x``'s autograd graph that holds none of ``x``'s memory.
+
+    Passed to an autograd function beside ``x``, it lets a later double backward reach
+    ``x``'s history exactly where the second derivative through the restored ``x`` belongs.
+    """
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return None
+    return x.reshape(-1)[:0] * 0  # no elements: no memory, yet on x's graph
+
+
+class _Unavailable(torch.autograd.Function):
+    """Identity on ``t``, attached to ``anchors``; its backward raises ``message``."""
+
+    @staticmethod
+    def forward(ctx, t, message, *anchors):
+        ctx.message = message
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(ctx.message)
+
+
+def layer_name(layer: Any) -> str:
+    name = getattr(layer, "act_name", None)
+    kind = type(layer).__name__
+    return kind if name is None else f"{kind} {name or '<root>'!r}"
+
+
+def no_second_derivative(
+    t: torch.Tensor, what: str, anchors: tuple[torch.Tensor | None, ...]
+) -> torch.Tensor:
+    """``t`` (restored from a lossy packing) such that differentiating through it raises."""
+    live = [a for a in anchors if a is not None and a.requires_grad]
+    if not live:
+        return t
+    message = (
+        f"double backward (create_graph=True) through {what}: the tensor it saved for backward "
+        "is stored compressed, so its second derivative is not available. Keep this layer "
+        "exact (convert(..., exclude=[...]) or level L0), or compute the penalty's graph "
+        "outside the converted model."
+    )
+    return _Unavailable.apply(t, message, *live)
+
+
+_LOST_INPUT = (
+    "its input gradient depends on its input, which is stored compressed, so the second "
+    "derivative is not available (it would be silently wrong)"
+)
+
+
+def refuse_double_backward(ctx: Any, what: str, why: str = _LOST_INPUT) -> None:
+    """Raise now in a create_graph backward of ``what``."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"double backward (create_graph=True) through {what}: {why}. Keep this layer "
+            "as torch's own (convert(..., exclude=[...])), or compute the penalty's graph "
+            "outside the converted model."
+        )
+
+
+def _lossy(ctx: Any, item: int) -> bool:
+    """Whether ``stash``'s ``item``-th tensor of ``ctx`` was packed by a lossy compressor."""
+    comp = ctx.act_plan[item][1]
+    return comp is not None and comp.lossy
+
 
 class _Meta:
     """``x``'s shape, dtype and device, for backward ops that read only those of an input.
@@ -91,7 +172,7 @@ class ConvFunction(torch.autograd.Function):
     """Convolution and transposed convolution (aten.convolution / convolution_backward)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer, args):
+    def forward(ctx, x, weight, bias, layer, args, x_link=None):
         stride, padding, dilation, transposed, output_padding, groups = args
         out = own_output(
             aten.convolution(
@@ -102,12 +183,14 @@ class ConvFunction(torch.autograd.Function):
         ctx.bias_sizes = None if bias is None else list(bias.shape)
         ctx.input_meta = _empty_like_shape(x)
         stash(ctx, layer, [(x if weight.requires_grad else None, CONV), (weight, IDENTITY)])
+        ctx.x_link = x_link
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = unstash(ctx)
         observe(ctx, grad, kernel=math.prod(weight.shape[2:]))
+        x = guard_input(ctx, x, weight, grad)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x_for_shape = x if x is not None else ctx.input_meta.tensor()
         chunks = _micro_batches(ctx.layer, x_for_shape) if need_w and x is not None else 1
@@ -121,28 +204,51 @@ class ConvFunction(torch.autograd.Function):
         gx = torch.cat([r[0] for r in results]) if need_x else None
         gw = sum(r[1] for r in results) if need_w else None
         gb = sum(r[2] for r in results) if need_b else None
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, None
 
 
 class LinearFunction(torch.autograd.Function):
     """``F.linear`` with a compressed input."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer):
+    def forward(ctx, x, weight, bias, layer, x_link=None):
         out = own_output(torch.nn.functional.linear(x, weight, bias))
         stash(ctx, layer, [(x if weight.requires_grad else None, CONV), (weight, IDENTITY)])
+        ctx.x_link = x_link
         return out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = unstash(ctx)
         observe(ctx, grad, channel_dim=-1)
+        x = guard_input(ctx, x, weight, grad)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g2 = grad.reshape(-1, grad.shape[-1])
         gx = grad.matmul(weight) if need_x else None
         gw = g2.t().mm(x.reshape(-1, x.shape[-1])) if need_w else None
         gb = g2.sum(0) if need_b else None
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
+
+
+def guard_input(
+    ctx: Any,
+    x: torch.Tensor | None,
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    lossy: bool | None = None,
+) -> torch.Tensor | None:
+    """In a create_graph backward, the restored input of a conv/linear whose input required
+    grad: differentiating through it raises (its derivative is the lost exact input's).
+
+    ``lossy``: whether ``x`` differs from the input (default: its ``stash`` compressor says).
+    """
+    if x is None or not torch.is_grad_enabled() or not ctx.needs_input_grad[0]:
+        return x
+    if not (_lossy(ctx, 0) if lossy is None else lossy):
+        return x
+    x_link = getattr(ctx, "x_link", None)
+    anchors = (x_link,) if x_link is not None else (weight, grad)
+    return no_second_derivative(x, layer_name(ctx.act_layer), anchors)
 
 
 class BatchNormFunction(torch.autograd.Function):
@@ -184,6 +290,7 @@ class BatchNormFunction(torch.autograd.Function):
         x, weight, running_mean, running_var, mean, invstd = unstash(ctx)
         observe(ctx, grad, norm=True)
         if ctx.normalized:
+            refuse_double_backward(ctx, layer_name(ctx.act_layer))
             centre, scale = ctx.stats
             x = (x / _stat_view(scale, x, 1) + _stat_view(centre, x, 1)).to(ctx.input_meta.dtype)
         mask = list(ctx.needs_input_grad[:3])
@@ -253,6 +360,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
         x, weight, mean, invstd = unstash(ctx)
         observe(ctx, grad, norm=True)
+        # its statistics come from collectives outside autograd's view: no second derivative
+        refuse_double_backward(ctx, layer_name(ctx.act_layer))
         if ctx.normalized:
             x_hat = x.float()
         else:
@@ -303,6 +412,7 @@ class LayerNormFunction(torch.autograd.Function):
         x, weight, bias, mean, rstd = unstash(ctx)
         observe(ctx, grad, norm=True)
         if ctx.normalized:
+            refuse_double_backward(ctx, layer_name(ctx.act_layer))
             x = (x / rstd + mean).to(ctx.dtype)
         need_x, need_w, need_b = (ctx.needs_input_grad[i] for i in (0, 2, 3))
         gx, gw, gb = aten.native_layer_norm_backward(
@@ -337,6 +447,11 @@ class GroupNormFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, mean, rstd = unstash(ctx)
         observe(ctx, grad, norm=True)
+        refuse_double_backward(
+            ctx,
+            layer_name(ctx.act_layer),
+            _LOST_INPUT if ctx.normalized else "aten's group-norm backward has no derivative",
+        )
         if ctx.normalized:
             n, _, _, groups = ctx.sizes
             grouped = x.reshape(n, groups, -1) / rstd.unsqueeze(-1) + mean.unsqueeze(-1)
@@ -361,7 +476,7 @@ class RMSNormFunction(torch.autograd.Function):
         eps_value = torch.finfo(x.dtype).eps if eps is None else eps
         xf = x.float()
         rstd = xf.square().mean(dims, keepdim=True).add_(eps_value).rsqrt_()
-        ctx.dims, ctx.dtype = dims, x.dtype
+        ctx.dims, ctx.dtype, ctx.eps = dims, x.dtype, eps_value
         saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: t.float() * rstd)
         stash(ctx, layer, [(saved_x, how), (weight, IDENTITY), (rstd, IDENTITY)])
         return out
@@ -370,6 +485,10 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, rstd = unstash(ctx)
         observe(ctx, grad, norm=True)
+        if ctx.normalized:
+            refuse_double_backward(ctx, layer_name(ctx.act_layer))
+        elif torch.is_grad_enabled():  # exact x: rstd as a function of it, for a 2nd derivative
+            rstd = x.float().square().mean(ctx.dims, keepdim=True).add(ctx.eps).rsqrt()
         x_hat = x.float() if ctx.normalized else x.float() * rstd
         g = grad.float()
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]

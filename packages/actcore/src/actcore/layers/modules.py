@@ -29,6 +29,7 @@ from .functions import (
     MaxPoolFunction,
     RMSNormFunction,
     SyncBatchNormFunction,
+    link,
     note_output_mask,
 )
 
@@ -142,7 +143,7 @@ class _QConvNd(QLayer):
             padding = _numeric_padding(self)
         args = (self.stride, padding, self.dilation, False, (0,) * nd, self.groups)
         input, weight, bias = _autocast(_LOWER, input, self.weight, self.bias)
-        return ConvFunction.apply(input, weight, bias, self, args)
+        return ConvFunction.apply(input, weight, bias, self, args, link(input))
 
 
 class QConv1d(_QConvNd, nn.Conv1d):
@@ -167,7 +168,7 @@ class _QConvTransposeNd(QLayer):
         )
         args = (self.stride, self.padding, self.dilation, True, output_padding, self.groups)
         input, weight, bias = _autocast(_LOWER, input, self.weight, self.bias)
-        return ConvFunction.apply(input, weight, bias, self, args)
+        return ConvFunction.apply(input, weight, bias, self, args, link(input))
 
 
 class QConvTranspose1d(_QConvTransposeNd, nn.ConvTranspose1d):
@@ -187,7 +188,7 @@ class QLinear(QLayer, nn.Linear):
         if not self._compresses(input, self.weight, self.bias):
             return super().forward(input)
         input, weight, bias = _autocast(_LOWER, input, self.weight, self.bias)
-        return LinearFunction.apply(input, weight, bias, self)
+        return LinearFunction.apply(input, weight, bias, self, link(input))
 
 
 class QBatchNormBase(QLayer):

@@ -43,10 +43,17 @@ _seed_state = {"base": None, "count": 0}
 def new_seed() -> int:
     """A fresh seed, without drawing from (and so without perturbing) torch's generators.
 
-    Seeds follow a per-process counter keyed by ``torch.initial_seed()``: a process that
-    calls ``torch.manual_seed(s)`` gets the same sequence each run, and a new seed value
-    restarts it. :func:`reset_seed_stream` restarts it in-process. No device sync.
+    Inside a converted model's (or a Controller's) forward, the next seed of that model's own
+    :class:`actcore.rng.SeedStream`. Elsewhere, seeds follow a per-process counter keyed by
+    ``torch.initial_seed()``: a process that calls ``torch.manual_seed(s)`` gets the same
+    sequence each run, and a new seed value restarts it. :func:`reset_seed_stream` restarts
+    it in-process. No device sync.
     """
+    from ..rng import current
+
+    stream = current()
+    if stream is not None:
+        return stream.next_seed()
     base = torch.initial_seed()
     if base != _seed_state["base"]:
         _seed_state["base"], _seed_state["count"] = base, 0

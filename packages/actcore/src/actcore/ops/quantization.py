@@ -9,10 +9,25 @@ last one may be partial). Per group we store, in bfloat16:
 
 so every element lies in ``[lo, lo + step * (2**bits - 1)]`` whatever the rounding, and
 ``q = floor((x - lo) / step + u)`` with ``u ~ U[0, 1)`` is unbiased: ``E[lo + q * step] = x``.
-bfloat16 metadata cannot overflow for any fp32/fp16/bf16 input. Codes past the end of a
-row (up to the next multiple of 8) are 0. A group that holds a NaN or an infinity has a
-non-finite ``lo`` or ``step``, so all of its elements dequantize to NaN: a non-finite input
-is never hidden as a finite number.
+Codes past the end of a row (up to the next multiple of 8) are 0.
+
+Extreme finite values. bfloat16 holds magnitudes up to ``BF16_MAX`` (about 3.3895e38), fp32
+up to 3.4028e38. Metadata that would round past bfloat16's finite range is rounded inward
+instead: ``lo`` below ``-BF16_MAX`` becomes ``-BF16_MAX`` and a step above it becomes
+``BF16_MAX``. A group whose span ``max - lo`` overflows the compute dtype (fp32 values of
+both signs near 1.7e38 and beyond) computes its step and codes on values scaled by 1/4, which
+is exact for every value that matters there. Dequantization computes
+``(q * (step / 4) + lo / 4) * 4``, which equals ``q * step + lo`` bit for bit whenever that does
+not overflow (``q * step`` is exact: 8 by 8 significant bits), and clamps the result to the
+output dtype's finite range (an fp16 group minimum -65504 has ``lo = -65536``). So a finite
+input always dequantizes to finite values, and the error of every element is below one step
+of its group plus its distance outside ``[lo, lo + step * (2**bits - 1)]``, an interval that
+holds the whole group (up to the float32 rounding of ``max - lo``) unless the group holds
+fp32/fp64 values beyond ``BF16_MAX`` (they saturate there: relative error below 2**-8 for
+fp32) or a 1-bit group spans ``BF16_MAX`` or more. Near the output range's ends, clamping makes the rounding slightly biased.
+
+A group that holds a NaN or an infinity has a non-finite ``lo`` or ``step``, and all of its
+elements dequantize to NaN: a non-finite input is never hidden as a finite number.
 
 Arithmetic is fp32 (fp64 for fp64 input) and follows a fixed order (no fused multiply-add),
 so a native kernel can match it bit for bit. Work is done in blocks of about
@@ -30,6 +45,7 @@ from .bitpack import pack_bits_reference, packed_nbytes, unpack_bits_reference
 from .noise import hash_index, uniform_from_hash
 
 META_DTYPE = torch.bfloat16
+BF16_MAX = torch.finfo(torch.bfloat16).max  # 0x7F7F: the largest finite bfloat16
 BLOCK_ELEMENTS = 1 << 16  # small enough for temporaries to stay in cache
 
 
@@ -79,6 +95,34 @@ def _blocks(rows: int, cols: int, group_size: int) -> Iterator[tuple[int, int, i
             yield r0, min(rows, r0 + row_step), c0, min(cols, c0 + col_step)
 
 
+def _metadata(
+    mn: torch.Tensor, mx: torch.Tensor, levels: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per group: ``lo`` and ``step`` (bfloat16) and the scale its codes are computed at.
+
+    ``lo`` rounds down and ``step`` up, except where that would leave bfloat16's finite
+    range for a finite group (rounded inward to ``+-BF16_MAX``). Where ``max - lo``
+    overflows, the step is computed from the values times 1/4 and the scale is 1/4, else 1.
+    """
+    cdt = mn.dtype
+    finite_min = torch.isfinite(mn)
+    lo_b = round_to_bf16(mn, up=False)
+    lo_b = torch.where(torch.isneginf(lo_b) & finite_min, -BF16_MAX, lo_b)
+    lo = lo_b.to(cdt)
+    finite = torch.isfinite(mx) & torch.isfinite(lo)
+    span = mx - lo
+    huge = torch.isinf(span) & finite
+    # divide by a tensor, not a Python number: CUDA turns division by a scalar into a
+    # multiplication by its reciprocal, which would make the step device-dependent
+    div = span.new_full((), levels)
+    raw = torch.where(huge, (mx * 0.25 - lo * 0.25) / div * 4.0, span / div)
+    raw = torch.where(raw < 0, 0.0, raw)  # all values below -BF16_MAX: lo is above max
+    step_b = round_to_bf16(raw, up=True)
+    step_b = torch.where(torch.isposinf(step_b) & finite, BF16_MAX, step_b)
+    scale = torch.where(huge, 0.25, 1.0).to(cdt)
+    return lo_b, step_b, scale
+
+
 def quantize_reference(
     x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, per_sample: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,14 +144,12 @@ def quantize_reference(
         if cp != c:  # repeat the last element: the group's min and max stay the same
             xb = torch.cat([xb, xb[:, -1:].expand(r, cp - c)], dim=1)
         g = xb.view(r, gb, group_size)
-        lo_b = round_to_bf16(g.amin(-1), up=False)
+        lo_b, step_b, scale = _metadata(g.amin(-1), g.amax(-1), levels)
         lo_c = lo_b.to(cdt).unsqueeze(-1)
-        # divide by a tensor, not a Python number: CUDA turns division by a scalar into a
-        # multiplication by its reciprocal, which would make the step device-dependent
-        span = (g.amax(-1, keepdim=True) - lo_c).squeeze(-1)
-        step_b = round_to_bf16(span / span.new_full((), levels), up=True)
         step_c = step_b.to(cdt).unsqueeze(-1)
-        v = (g - lo_c).div_(step_c)
+        scale = scale.unsqueeze(-1)
+        # scale is 1 (exact: the plain formula) except in groups whose span overflows
+        v = (g * scale - lo_c * scale).div_(step_c * scale)
         v.masked_fill_(step_c == 0, 0.0)  # a constant group: every code is 0
         if stochastic:
             first, last = r0 * cols + c0, (r1 - 1) * cols + c0 + cp - 1
@@ -146,6 +188,7 @@ def dequantize_reference(
         return out
     out2d = out.view(rows, cols)
     cdt = compute_dtype(dtype)
+    top = torch.finfo(dtype).max
     for r0, r1, c0, c1 in _blocks(rows, cols, group_size):
         r, c = r1 - r0, c1 - c0
         gb = -(-c // group_size)
@@ -159,6 +202,11 @@ def dequantize_reference(
         g0 = c0 // group_size
         lo_c = lo[r0:r1, g0 : g0 + gb].to(cdt).unsqueeze(-1)
         step_c = step[r0:r1, g0 : g0 + gb].to(cdt).unsqueeze(-1)
-        values = qf.view(r, gb, group_size).mul_(step_c).add_(lo_c)  # no fused multiply-add
+        finite = torch.isfinite(lo_c) & torch.isfinite(step_c)
+        lo_q = torch.where(finite, lo_c * 0.25, math.nan)  # non-finite metadata: NaN
+        # (q * step/4 + lo/4) * 4: q * step/4 is exact, so this is q * step + lo without
+        # its overflow; then clamped into the output dtype's finite range (NaN stays)
+        values = qf.view(r, gb, group_size).mul_(step_c * 0.25).add_(lo_q).mul_(4.0)
+        values.clamp_(-top, top)
         out2d[r0:r1, c0:c1] = values.view(r, cp)[:, :c]
     return out

@@ -1,0 +1,70 @@
+"""What a converted model needs, beyond its own ``state_dict``, to resume bit for bit.
+
+::
+
+    torch.save({"model": model.state_dict(), "act": actcore.resume.state_dict(model)}, path)
+    ...
+    model = actcore.convert(build(), level="L3")
+    model.load_state_dict(ckpt["model"])
+    actcore.resume.load_state_dict(model, ckpt["act"])
+
+The state holds the model's stream of rounding seeds (``act_rng``), its adaptive-bits plan
+and statistics (``act_adaptive``, levels L3 and up) and its policy (``act_policy``), where
+present. Loading checks every part before changing any. (The hooks route: a
+:class:`actcore.Controller`'s own ``state_dict`` holds the same.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .adaptive import AdaptiveBits, _checked_state
+from .rng import SeedStream
+
+__all__ = ["load_state_dict", "state_dict"]
+
+
+def state_dict(model: nn.Module) -> dict[str, Any]:
+    """The ACT state of a converted ``model`` (parts it lacks are left out)."""
+    state: dict[str, Any] = {}
+    stream = model.__dict__.get("act_rng")
+    if isinstance(stream, SeedStream):
+        state["rng"] = stream.state_dict()
+    adaptive = getattr(model, "act_adaptive", None)
+    if isinstance(adaptive, AdaptiveBits):
+        state["adaptive"] = adaptive.state_dict()
+    policy = getattr(model, "act_policy", None)
+    if policy is not None:
+        state["policy"] = policy.state_dict()
+    return state
+
+
+def load_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
+    """Load :func:`state_dict`'s output into a model converted the same way."""
+    if not isinstance(state, dict):
+        raise TypeError(f"an ACT state must be a dict, got {type(state).__name__}")
+    parts = {
+        "rng": model.__dict__.get("act_rng"),
+        "adaptive": getattr(model, "act_adaptive", None),
+        "policy": getattr(model, "act_policy", None),
+    }
+    for key in state:
+        if key not in parts:
+            raise KeyError(f"unknown part {key!r} of an ACT state; known: {', '.join(parts)}")
+        if parts[key] is None:
+            raise ValueError(
+                f"the ACT state has a {key!r} part but this model has none: convert it at the "
+                "level (and policy) the state was saved from"
+            )
+    if "rng" in state:
+        SeedStream(0).load_state_dict(state["rng"])  # check only
+    if "adaptive" in state:
+        _checked_state(state["adaptive"])  # check only
+    if "policy" in state:
+        parts["policy"].load_state_dict(state["policy"])  # checks all, then changes
+    if "adaptive" in state:
+        parts["adaptive"].load_state_dict(state["adaptive"])
+    if "rng" in state:
+        parts["rng"].load_state_dict(state["rng"])
