@@ -83,7 +83,11 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 
 def _save_half(route: str, level: str, path: Path) -> None:
     model, act, opt = _build(route, level)
-    _steps(model, act, opt, 0, HALF)
+    try:
+        _steps(model, act, opt, 0, HALF)
+    finally:
+        if act is not None:
+            act.uninstall_hook()  # its hooks must not outlive this case
     torch.save(
         {
             "model": model.state_dict(),
@@ -120,10 +124,12 @@ def test_resume_in_a_fresh_process_is_bitwise_identical(tmp_path: Path) -> None:
         for route, level in CASES:
             _save_half(route, level, tmp_path / f"{route}-{level}.pt")
             model, act, opt = _build(route, level)
-            _steps(model, act, opt, 0, 2 * HALF)
+            try:
+                _steps(model, act, opt, 0, 2 * HALF)
+            finally:
+                if act is not None:
+                    act.uninstall_hook()
             full[route, level] = _params(model)
-            if act is not None:
-                act.uninstall_hook()
     finally:
         torch.set_num_threads(threads)
     here = str(Path(__file__).parent)
