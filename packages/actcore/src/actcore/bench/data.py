@@ -156,8 +156,13 @@ class CharCorpus:
 
 
 def load_shakespeare(data_dir: Path | None = None, *, download: bool = True) -> CharCorpus:
-    """Fetch (once) and read the corpus; the vocabulary is every character of every work."""
-    works = read_works(fetch_shakespeare(data_dir, download=download))
+    """Fetch (once) and read the corpus (see :func:`fetch_shakespeare`, :func:`split_works`)."""
+    return split_works(read_works(fetch_shakespeare(data_dir, download=download)))
+
+
+def split_works(works: dict[str, str]) -> CharCorpus:
+    """``VAL_WORKS`` for validation, the rest for training, each side joined by blank lines;
+    the vocabulary is every character of every work, sorted."""
     vocab = "".join(sorted(set("".join(works.values()))))
     lookup = {ch: i for i, ch in enumerate(vocab)}
     val_names = [w for w in works if w in VAL_WORKS]
