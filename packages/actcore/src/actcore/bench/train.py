@@ -413,6 +413,14 @@ def columns(task: str, rows: list[dict[str, Any]]) -> list[report.Column]:
         report.Column("step_time_s", "step ms", lambda v: f"{1000 * v:.1f}"),
         report.Column("time_ratio", "time / fp", report.fmt_float(2, "x")),
     ]
+    if any(len(r["seeds"]) > 1 for r in rows):
+        key, fmt = ("accuracies", "{:.1f}") if task == "mnist1d" else ("val_losses", "{:.3f}")
+        scale = 100 if task == "mnist1d" else 1
+
+        def per_seed(values: list[float | None]) -> str:
+            return " ".join("-" if v is None else fmt.format(scale * v) for v in values)
+
+        cols.append(report.Column(key, "per seed", per_seed))
     if any(r.get("diverged") for r in rows):
         cols.append(report.Column("diverged", "diverged", lambda v: "yes" if v else "no"))
     return cols
@@ -524,10 +532,12 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
-            "defaults per task (--quick in brackets): shakespeare-char 2000 [300] steps, "
-            "eval every 250 [100] on 40 [8] batches of 64 held-out sequences, batch 12, lr "
-            "1e-3; mnist1d 3000 [300] steps, eval every 250 [100] on the 1,000 test "
-            "sequences, batch 128, lr 3e-3.\n\nexamples:\n"
+            "defaults per task, --quick in brackets:\n"
+            "  shakespeare-char: 2000 [300] steps, batch 12, lr 1e-3 (AdamW, warm-up, cosine),\n"
+            "    evaluation every 250 [100] steps on 40 [8] batches of 64 held-out sequences\n"
+            "  mnist1d: 3000 [300] steps, batch 128, lr 3e-3 (AdamW, warm-up, cosine),\n"
+            "    evaluation every 250 [100] steps on the 1,000 test sequences\n\n"
+            "examples:\n"
             "  actcore bench train --task shakespeare-char --seeds 2 --json sh.json\n"
             "  actcore bench train --task shakespeare-char --arch llama --levels fp,L3\n"
             "  actcore bench train --task mnist1d --levels fp,L3 --seeds 3 --json m.json\n"
@@ -585,6 +595,14 @@ def _validate(args: argparse.Namespace) -> None:
     resolve_device(args.device)
 
 
+def _load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the OS has none)."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def main(args: argparse.Namespace) -> int:
     from .data import DataUnavailable
 
@@ -606,9 +624,15 @@ def main(args: argparse.Namespace) -> int:
         return 1
     total = len(cfg.levels) * cfg.seeds * resolved.steps
 
+    config = {**asdict(resolved), "png": png, "task_info": task.describe()}
+    config["load_average_start"] = _load_average()
+
     def runner(rows: list[dict[str, Any]]) -> None:
-        with report.progress(total, cfg.task, enabled=not args.quiet) as advance:
-            run(cfg, rows, advance, task=task)
+        try:
+            with report.progress(total, cfg.task, enabled=not args.quiet) as advance:
+                run(cfg, rows, advance, task=task)
+        finally:
+            config["load_average_end"] = _load_average()  # step times depend on it
 
     def finish(rows: list[dict[str, Any]]) -> None:
         show(cfg, rows)
@@ -618,7 +642,7 @@ def main(args: argparse.Namespace) -> int:
     return report.run_guarded(
         "train",
         runner,
-        config={**asdict(resolved), "png": png, "task_info": task.describe()},
+        config=config,
         json_path=args.json,
         show=finish,
     )
