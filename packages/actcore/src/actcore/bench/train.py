@@ -460,10 +460,12 @@ def _mean_curve(runs: list[dict[str, Any]], key: str) -> tuple[list[int], list[f
     return steps, [statistics.fmean(by_step[s]) for s in steps]
 
 
-def _zoom(ax: Any, finals: list[float], lower: float, margin: float) -> None:
-    """Limit ``ax``'s y range to the end of training, where the levels are told apart."""
-    if finals:
-        low, high = min(finals), max(finals)
+def _zoom(ax: Any, ends: list[list[float]], lower: float, margin: float) -> None:
+    """Limit ``ax``'s y range to the second half of training (``ends``: each curve's)."""
+    ends = [e for e in ends if e]
+    if ends:
+        low = min(min(e) for e in ends)
+        high = max(e[-1] for e in ends)
         ax.set_ylim(max(lower, low - 0.1 * margin), high + margin + 0.5 * (high - low))
 
 
@@ -476,30 +478,32 @@ def figure(cfg: TrainConfig, rows: list[dict[str, Any]]) -> Any:
     left, right = fig.subplots(1, 2)
     accuracy = cfg.task == "mnist1d"
     right_key = "accuracy" if accuracy else "val_loss"
-    finals: dict[str, list[float]] = {"train_loss": [], right_key: []}
+    ends: dict[str, list[list[float]]] = {"train_loss": [], right_key: []}
     for row in rows:
         style: dict[str, Any] = {"linewidth": 1.4}
         if row["level"] == FP:
             style = {"color": "black", "linewidth": 2.2, "zorder": 5}
+        elif row["level"] == DEFAULT:  # often the same as a listed level: keep both visible
+            style["linestyle"] = "--"
         for ax, key in ((left, "train_loss"), (right, right_key)):
             xs, ys = _mean_curve(row["runs"], key)
             if key == "accuracy":
                 ys = [100 * y for y in ys]
             ax.plot(xs, ys, label=row["label"], **style)
-            finals[key] += ys[-1:]
+            ends[key].append(ys[len(ys) // 2 :])
     seeds = f"mean of {cfg.seeds} seeds" if cfg.seeds > 1 else "seed 0"
     left.set_title(f"training loss ({seeds})", fontsize=9)
     left.set_ylabel("cross-entropy")
-    _zoom(left, finals["train_loss"], 0.0, 0.3 if not accuracy else 0.5)
+    _zoom(left, ends["train_loss"], 0.0, 0.3 if not accuracy else 0.5)
     if accuracy:
         right.set_title(f"test accuracy ({seeds})", fontsize=9)
         right.set_ylabel("%")
-        if finals["accuracy"]:
-            right.set_ylim(min(finals["accuracy"]) - 10, 100)
+        if any(ends["accuracy"]):
+            right.set_ylim(min(e[-1] for e in ends["accuracy"] if e) - 10, 100)
     else:
         right.set_title(f"validation loss, held-out works ({seeds})", fontsize=9)
         right.set_ylabel("cross-entropy")
-        _zoom(right, finals["val_loss"], 0.0, 0.3)
+        _zoom(right, ends["val_loss"], 0.0, 0.3)
     for ax in (left, right):
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
