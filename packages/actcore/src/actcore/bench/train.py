@@ -299,7 +299,9 @@ def _mean(values: list[float | None]) -> float | None:
 
 def _std(values: list[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
-    return statistics.stdev(vals) if len(vals) == len(values) and len(vals) > 1 else 0.0
+    if len(vals) < len(values) or not vals:
+        return None
+    return statistics.stdev(vals) if len(vals) > 1 else 0.0
 
 
 def make_row(
