@@ -309,7 +309,8 @@ def test_shakespeare_quick_l3_validation_loss_within_0_05_of_fp32():
     Measured on the 2-core CPU (torch 2.14.1, 2026-11-25), L3 minus fp32 validation loss
     after 300 steps: +0.0155, +0.0184, +0.0172, +0.0152 for seeds 0-3 (fp32 2.50-2.51).
     Bound: L3 at most 0.05 above fp32 (2.7x the largest gap). For scale, 2 bits on every
-    saved tensor (``hooks:L1.2``) ends 0.25 above fp32 here. About 40-80 s on 2 cores.
+    saved tensor (``hooks:L1.2``) ends 0.25 above fp32 here. 52 s on the 2 cores at load
+    2.5, about 2 minutes at load 8 (one torch thread).
     """
     try:
         data.load_shakespeare()
@@ -331,7 +332,7 @@ def test_mnist1d_quick_l3_accuracy_within_2_5_points_of_fp32(mnist):
     after 300 steps, seeds 0-5: -0.2, -0.6, -0.3, -1.5, -0.6, -0.5 points (fp32 about
     96%). Bound: L3 at most 2.5 points below fp32 (1.7x the worst seed; the test set has
     1,000 sequences, so a point is 10 of them). For scale, ``hooks:L1.2`` loses 7-8
-    points. About 15 s.
+    points. 7-15 s.
     """
     task = Mnist1DTask(batch=128, device=torch.device("cpu"), data=mnist)
     rows: list[dict] = []
