@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from actcore.bench import accuracy, maxbatch, memory, report, sweep
+from actcore.bench import accuracy, maxbatch, memory, report, sweep, train
 
 
 def header(data: dict) -> str:
@@ -48,6 +48,11 @@ def section(data: dict) -> str:
         )
     elif kind == "sweep":
         table = report.markdown(sweep.COLUMNS, rows)
+    elif kind == "train":
+        table = report.markdown(train.columns(data["config"]["task"], rows), rows)
+        png = data["config"].get("png")
+        if png:
+            table += f"\n\n![curves](results/{Path(png).name})"
     elif kind == "max-batch":
         table = report.markdown(maxbatch.COLUMNS, rows)
     else:

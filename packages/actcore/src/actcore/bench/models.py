@@ -57,6 +57,25 @@ def digits_cnn(num_classes: int = 10) -> nn.Module:
     )
 
 
+def mnist1d_cnn(num_classes: int = 10) -> nn.Module:
+    """The 1-D CNN of ``bench train --task mnist1d`` (1x40 inputs): three Conv1d /
+    BatchNorm1d / ReLU blocks (widths 32, 64, 64; the last two halve the length), then a
+    linear classifier over the flattened 64x10 features."""
+    return nn.Sequential(
+        nn.Conv1d(1, 32, 5, padding=2, bias=False),
+        nn.BatchNorm1d(32),
+        nn.ReLU(),
+        nn.Conv1d(32, 64, 3, stride=2, padding=1, bias=False),
+        nn.BatchNorm1d(64),
+        nn.ReLU(),
+        nn.Conv1d(64, 64, 3, stride=2, padding=1, bias=False),
+        nn.BatchNorm1d(64),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(64 * 10, num_classes),
+    )
+
+
 BUILTINS: dict[str, BuiltinModel] = {
     "tiny-cnn": BuiltinModel(_tiny_cnn, 3, 32, "2 conv + BN + ReLU blocks, 3x32x32 inputs"),
     "digits-cnn": BuiltinModel(digits_cnn, 1, 8, "the digits benchmark's CNN, 1x8x8 inputs"),
