@@ -112,6 +112,23 @@ def test_sparse_max_aggregation_gradient_is_exact(graph):
     torch.testing.assert_close(grads_c[0], grads_s[0], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["sage"])
+def test_adjacency_values_ignored_as_the_stock_conv_ignores_them(kind, graph):
+    """SAGE sums or averages neighbours with unit weights, dropping a SparseTensor's
+    values; the converted backward does too (L0 gradients equal the stock ones)."""
+    x, _, adj_t = graph
+    gen = torch.Generator().manual_seed(0)
+    valued = adj_t.set_value(torch.rand(adj_t.nnz(), generator=gen) + 0.5, layout="coo")
+    torch.manual_seed(0)
+    stock = bench.GNN(kind, 32, 64, 8, dropout=0.0)
+    l0 = act_pyg.convert(copy.deepcopy(stock), "L0")
+    out_s, grads_s = _grads(stock, x, valued)
+    out_0, grads_0 = _grads(l0, x, valued)
+    assert torch.equal(out_0, out_s)
+    for gs, g0 in zip(grads_s, grads_0, strict=True):
+        torch.testing.assert_close(g0, gs, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["gcn", "sage"])
 def test_converted_path_takes_adj_t_like_edge_index(kind, graph):
     """Same retained bytes as with edge_index (the graph shared, int32), L0 gradients equal."""

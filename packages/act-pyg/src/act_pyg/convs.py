@@ -69,6 +69,17 @@ def _adjacency_graph(tag: Any, adj_in: Any, adj: Any, num_nodes: int) -> Graph:
     return shared_graph(("adj", tag), inputs, num_nodes, build)
 
 
+def _unit_graph(x: Tensor, edge_index: Any) -> tuple[Graph, Any]:
+    """Backward's graph and the forward's index for a conv that sums or averages its
+    neighbours with unit weights (SAGE, GIN: they drop a ``SparseTensor``'s values)."""
+    n = x.size(0)
+    if isinstance(edge_index, SparseTensor):
+        unit = edge_index.set_value(None, layout=None)
+        return _adjacency_graph(("unit",), edge_index, unit, n), edge_index
+    graph = shared_graph(("plain",), (edge_index,), n, lambda: (edge_index, None))
+    return graph, graph.edge_index
+
+
 class QMessagePassing:
     """Mixin of the converted convs: level, random projection and attention bits."""
 
@@ -197,13 +208,7 @@ class QSAGEConv(QMessagePassing, SAGEConv):
             or self._runtime_reason()
         ):
             return self._stock(x, edge_index, size)
-        n = x.size(0)
-        if isinstance(edge_index, SparseTensor):
-            graph = _adjacency_graph(("plain",), edge_index, edge_index, n)
-            forward_index: Any = edge_index
-        else:
-            graph = shared_graph(("plain",), (edge_index,), n, lambda: (edge_index, None))
-            forward_index = graph.edge_index
+        graph, forward_index = _unit_graph(x, edge_index)
         agg = LinearAggregation.apply(
             x,
             self,
