@@ -61,7 +61,7 @@ def _grads(model, x, adj):
     return out, [xg.grad, *(p.grad for p in model.parameters())]
 
 
-@pytest.mark.parametrize("kind", ["gcn", "sage", "gat"])
+@pytest.mark.parametrize("kind", ["gcn", "sage", "gat", "gin"])
 def test_sparse_tensor_adjacency_same_forward_close_gradients_less_memory(kind, graph, capsys):
     x, edge_index, adj_t = graph
     torch.manual_seed(0)
@@ -112,9 +112,9 @@ def test_sparse_max_aggregation_gradient_is_exact(graph):
     torch.testing.assert_close(grads_c[0], grads_s[0], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["sage"])
+@pytest.mark.parametrize("kind", ["sage", "gin"])
 def test_adjacency_values_ignored_as_the_stock_conv_ignores_them(kind, graph):
-    """SAGE sums or averages neighbours with unit weights, dropping a SparseTensor's
+    """SAGE and GIN sum or average neighbours with unit weights, dropping a SparseTensor's
     values; the converted backward does too (L0 gradients equal the stock ones)."""
     x, _, adj_t = graph
     gen = torch.Generator().manual_seed(0)
@@ -129,7 +129,7 @@ def test_adjacency_values_ignored_as_the_stock_conv_ignores_them(kind, graph):
         torch.testing.assert_close(g0, gs, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["gcn", "sage"])
+@pytest.mark.parametrize("kind", ["gcn", "sage", "gin"])
 def test_converted_path_takes_adj_t_like_edge_index(kind, graph):
     """Same retained bytes as with edge_index (the graph shared, int32), L0 gradients equal."""
     x, edge_index, adj_t = graph
