@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -538,6 +539,10 @@ def test_bench_cli_smoke(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "planted-partition" in out and "fp32" in out and "act L3" in out
     assert "smaller" in out and path.exists()
+    saved_run = json.loads(path.read_text())
+    assert saved_run["command"].startswith("python -m act_pyg.bench --model gat")
+    assert saved_run["machine"]["cores"] and saved_run["torch_geometric"] and saved_run["date"]
+    assert saved_run["rows"][0]["model"] == "gat" and saved_run["rows"][0]["act_retained_bytes"]
     data = bench.planted_partition(num_nodes=200, num_features=8)
     del data.train_mask, data.test_mask
     saved = tmp_path / "graph.pt"
@@ -545,11 +550,15 @@ def test_bench_cli_smoke(capsys, tmp_path):
     cmd = ["--model", "sage", "--epochs", "1", "--seeds", "1", "--data", str(saved)]
     assert bench.main([*cmd, "--random-projection", "0.5"]) == 0
     assert f"user data from {saved}" in capsys.readouterr().out
-    mem = ["--model", "gin", "--style", "example", "--memory-only", "--nodes", "300"]
+    mem = ["--model", "gin,gcn", "--style", "example", "--memory-only", "--nodes", "300"]
     assert bench.main([*mem, "--features", "16"]) == 0
     out = capsys.readouterr().out
-    assert "gin (example style)" in out and "by the CPU profiler" in out
+    assert "gin (example style)" in out and "gcn (example style)" in out
+    assert "by the CPU profiler" in out
     assert "accuracy difference" not in out  # nothing trained
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "gcn,gxn"])
+    assert "gxn" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--level", "L9"])
     assert "valid levels" in capsys.readouterr().err

@@ -20,7 +20,7 @@ import argparse
 import contextlib
 import copy
 import gc
-import json
+import shlex
 import statistics
 import sys
 import time
@@ -29,11 +29,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch_geometric
 from torch import Tensor, nn
 from torch_geometric.data import Data
 from torch_geometric.nn import MLP, GATConv, GCNConv, GINConv, SAGEConv
 
 from actcore import memory
+from actcore.bench import report
 from actcore.config import LEVELS, level_spec
 
 from .convert import convert
@@ -476,7 +478,9 @@ def load_data(path: str) -> Data:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m act_pyg.bench", description=__doc__)
-    parser.add_argument("--model", choices=MODELS, default="gcn")
+    parser.add_argument(
+        "--model", default="gcn", help=f"one or more of {', '.join(MODELS)}, comma-separated"
+    )
     parser.add_argument(
         "--style",
         choices=STYLES,
@@ -497,35 +501,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--data", default=None, help="a torch.save'd torch_geometric Data")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json", default=None, help="also write the result here")
+    parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     try:
         level_spec(args.level)
     except ValueError as err:
         parser.error(str(err))
+    kinds = [k.strip() for k in args.model.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in MODELS]
+    if unknown or not kinds:
+        parser.error(f"unknown model(s) {unknown}; valid models: {', '.join(MODELS)}")
     if args.epochs < 1 or args.seeds < 1:
         parser.error("--epochs and --seeds must be positive")
     if args.data:
         data = load_data(args.data)
     else:
         data = planted_partition(num_nodes=args.nodes, num_features=args.features)
-    result = run(
-        args.model,
-        data,
-        level=args.level,
-        epochs=args.epochs,
-        seeds=() if args.memory_only else range(args.seeds),
-        random_projection=args.random_projection,
-        get_mem=args.get_mem or args.memory_only,
-        hidden=args.hidden,
-        device=args.device,
-        style=args.style,
-    )
-    print(format_result(result))
+    results = []
+    for kind in kinds:
+        result = run(
+            kind,
+            data,
+            level=args.level,
+            epochs=args.epochs,
+            seeds=() if args.memory_only else range(args.seeds),
+            random_projection=args.random_projection,
+            get_mem=args.get_mem or args.memory_only,
+            hidden=args.hidden,
+            device=args.device,
+            style=args.style,
+        )
+        print(format_result(result), end="\n\n" if kind != kinds[-1] else "\n")
+        results.append(result)
     if args.json:
-        payload = asdict(result) | {"torch": torch.__version__}
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        config = {k: v for k, v in vars(args).items() if k != "json"}
+        payload = report.result("act-pyg", [asdict(r) for r in results], config, argv=argv)
+        payload["command"] = shlex.join(["python", "-m", "act_pyg.bench", *argv])
+        payload["torch_geometric"] = torch_geometric.__version__
+        report.write_json(args.json, payload)
     return 0
 
 
