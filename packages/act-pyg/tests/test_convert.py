@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch_geometric.data import Data
-from torch_geometric.nn import GATConv, GCNConv, GINConv, SAGEConv
+from torch_geometric.nn import GATConv, GCNConv, GINConv, GraphConv, SAGEConv
+from torch_geometric.nn.dense.linear import Linear as PyGLinear
 
 import act_pyg
 from act_pyg import bench
@@ -18,7 +21,12 @@ from act_pyg.graph import shared_graph
 from actcore import memory
 
 KINDS = ("gcn", "sage", "gat")
-CONV_CLASS = {"gcn": act_pyg.QGCNConv, "sage": act_pyg.QSAGEConv, "gat": act_pyg.QGATConv}
+CONV_CLASS = {
+    "gcn": act_pyg.QGCNConv,
+    "sage": act_pyg.QSAGEConv,
+    "gat": act_pyg.QGATConv,
+    "gin": act_pyg.QGINConv,
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +66,31 @@ def test_forward_equal_after_convert(kind, level, small):
         assert torch.equal(stock(small.x, small.edge_index), conv(small.x, small.edge_index))
 
 
+def _convs(model):
+    return [m for m in model.modules() if isinstance(m, tuple(CONV_CLASS.values()))]
+
+
+@pytest.mark.parametrize("style", bench.STYLES)
+@pytest.mark.parametrize("kind", bench.MODELS)
+def test_forward_bitwise_equal_example_and_module_style(kind, style, small):
+    """At L3 (the model scope active: functional F.relu / F.elu / F.dropout routed), the
+    training forward with the same RNG draws the same numbers and gives the same output,
+    with and without gradients for the features; eval too."""
+    torch.manual_seed(1)
+    stock = bench.make_model(kind, 16, 32, 5, style=style, dropout=0.3)
+    conv = act_pyg.convert(copy.deepcopy(stock), "L3")
+    assert {type(c) for c in _convs(conv)} == {CONV_CLASS[kind]} and len(_convs(conv)) == 2
+    for x in (small.x, small.x.clone().requires_grad_()):
+        out_s = _run(stock, x, small.edge_index)
+        rng_s = torch.get_rng_state()
+        out_c = _run(conv, x, small.edge_index)
+        assert torch.equal(out_s, out_c)
+        assert torch.equal(torch.get_rng_state(), rng_s)  # the same draws, no extra ones
+    stock.eval()
+    conv.eval()
+    assert torch.equal(_run(stock, x, small.edge_index), _run(conv, x, small.edge_index))
+
+
 def test_convert_keeps_parameters_and_state_dict():
     model = bench.GNN("gat", 16, 32, 5)
     params = dict(model.named_parameters())
@@ -83,6 +116,18 @@ VARIANTS = {
     "gat-no-loops-t2s": lambda: GATConv(
         16, 8, heads=2, add_self_loops=False, flow="target_to_source"
     ),
+    "gin": lambda: bench.GNN("gin", 16, 32, 5, dropout=0.3),
+    "gin-mean-eps-t2s": lambda: GINConv(
+        nn.Sequential(nn.Linear(16, 8), nn.Tanh()),
+        train_eps=True,
+        eps=0.3,
+        aggr="mean",
+        flow="target_to_source",
+    ),
+    **{
+        f"example-{kind}": (lambda kind=kind: bench.make_model(kind, 16, 32, 5, style="example"))
+        for kind in bench.MODELS
+    },
 }
 
 
@@ -90,7 +135,7 @@ VARIANTS = {
 def test_gradients_at_L0_equal_stock(name, small):
     """At L0 (nothing quantized) every gradient matches the stock conv's in float64."""
     stock, conv = _pair(VARIANTS[name], "L0", torch.float64)
-    assert conv.act_report.converted.get("conv1", conv.act_report.converted.get(""))
+    assert _convs(conv)
     x1 = small.x.double().requires_grad_()
     x2 = small.x.double().requires_grad_()
     out1, out2 = _run(stock, x1, small.edge_index), _run(conv, x2, small.edge_index)
@@ -223,6 +268,42 @@ def test_retained_memory_8x_smaller_at_L3(kind, big):
     assert rp < l3
 
 
+@pytest.fixture(scope="module")
+def medium() -> Data:
+    """The bench's planted-partition graph: 2,000 nodes, about 20,000 edges, 128 features."""
+    return bench.planted_partition(num_nodes=2000, num_features=128)
+
+
+@pytest.mark.parametrize("kind", bench.MODELS)
+def test_example_style_held_memory_8x_smaller_by_two_measures(kind, medium):
+    """Written as PyG's examples write models (F.relu / F.elu / F.dropout in forward), GCN,
+    SAGE, GAT and GIN hold >= 8x fewer bytes at L3, index tensors included, by actcore.memory
+    and by the CPU profiler, and as few as their module-built twins."""
+    classes = int(medium.y.max()) + 1
+    torch.manual_seed(0)
+    example = bench.make_model(kind, 128, 128, classes, style="example")
+    torch.manual_seed(0)
+    twin = bench.make_model(kind, 128, 128, classes, act=bench.EXAMPLE_ACT.get(kind))
+    fp_held, fp_alloc = bench.held_bytes(example, medium)
+    l3_held, l3_alloc = bench.held_bytes(act_pyg.convert(copy.deepcopy(example), "L3"), medium)
+    twin_held, _ = bench.held_bytes(act_pyg.convert(twin, "L3"), medium, profile=False)
+    print(
+        f"\n{kind} example style: fp32 {fp_held / 2**20:.2f} MiB, L3 {l3_held / 2**20:.2f} MiB "
+        f"({fp_held / l3_held:.1f}x; profiler {fp_alloc / l3_alloc:.1f}x), "
+        f"module-built L3 {twin_held / 2**20:.2f} MiB"
+    )
+    # the profiler's bytes are what the forward left allocated: the held bytes plus the
+    # output, less saved tensors that existed before it (stock SAGE/GIN save the input
+    # edge_index; the converted models only their own int32 copy)
+    out_bytes = medium.num_nodes * classes * 4
+    assert l3_alloc == l3_held + out_bytes
+    ei_bytes = medium.edge_index.nbytes
+    assert fp_alloc - out_bytes in (fp_held, fp_held - ei_bytes)
+    assert fp_held >= 8 * l3_held
+    assert fp_alloc >= 8 * l3_alloc
+    assert l3_held <= 1.02 * twin_held
+
+
 def test_edge_index_stored_once_and_narrow(small):
     """Both GCN layers keep the same int32 edge index: the second layer adds no index bytes."""
     model = act_pyg.convert(bench.GNN("gcn", 16, 32, 5), "L0")
@@ -268,62 +349,96 @@ def test_in_place_edge_index_change_between_forwards(small):
 # ---- accuracy ------------------------------------------------------------------------------
 
 
-def test_training_accuracy_within_one_point_of_fp():
-    """Final test accuracy at L3 within 1 point of fp32, mean over 3 seeds, each model."""
+@pytest.mark.parametrize("style", bench.STYLES)
+def test_training_accuracy_within_one_point_of_fp(style):
+    """Final test accuracy at L3 within 1 point of fp32, mean over 3 seeds, each model, with
+    modules or functional calls (as PyG's examples write them) between the convs."""
     data = bench.planted_partition(**bench.SMALL_GRAPH)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: threads only contend on a shared machine
     try:
-        for kind in KINDS:
-            r = bench.run(kind, data, level="L3", seeds=(0, 1, 2), **bench.SMALL_RUN)
-            print(f"\n{kind}: fp {r.fp_accuracy:.4f}, L3 {r.act_accuracy:.4f}")
+        for kind in bench.MODELS:
+            r = bench.run(kind, data, level="L3", seeds=(0, 1, 2), style=style, **bench.SMALL_RUN)
+            print(f"\n{kind} ({style}): fp {r.fp_accuracy:.4f}, L3 {r.act_accuracy:.4f}")
             assert r.fp_accuracy > 0.5  # the task is learnt, not trivial noise
             assert abs(r.act_accuracy - r.fp_accuracy) <= 0.01, kind
     finally:
         torch.set_num_threads(threads)
 
 
-# ---- hooks route, fallbacks, report, errors ------------------------------------------------
+# ---- other message-passing layers, fallbacks, report, errors ------------------------------------------------
 
 
-class GIN(nn.Module):
+class Mixed(nn.Module):
+    """GIN (converted), then layers without a converted version or configuration."""
+
     def __init__(self) -> None:
         super().__init__()
         mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64))
         self.gin = GINConv(mlp)
+        self.graph = GraphConv(64, 64)
         self.sage_norm = SAGEConv(64, 32, normalize=True)
         self.sage_max = SAGEConv(32, 4, aggr="max")
 
     def forward(self, x, edge_index):
-        return self.sage_max(self.sage_norm(self.gin(x, edge_index), edge_index), edge_index)
+        x = F.dropout(x, 0.2, training=self.training)
+        x = F.elu(self.graph(self.gin(x, edge_index), edge_index))
+        return self.sage_max(self.sage_norm(x, edge_index), edge_index)
 
 
-def test_other_message_passing_layers_get_the_hooks_route():
+def test_other_message_passing_layers_run_under_the_model_scope():
+    """Layers without a converted class keep it; the model's scope compresses what they save
+    (the MLP layers inside them become Q-layers), one mechanism for the whole forward."""
     data = bench.random_graph(2000, 20000, 16, seed=1)
     torch.manual_seed(0)
-    stock = GIN()
+    stock = Mixed()
     conv = act_pyg.convert(copy.deepcopy(stock), "L3")
     report = conv.act_report
-    assert set(report.hooks) == {"gin", "sage_norm", "sage_max"}
+    assert set(report.hooks) == {"graph", "sage_norm", "sage_max"}
     assert "normalize=True" in report.hooks["sage_norm"]
     assert "aggr='max'" in report.hooks["sage_max"]
-    assert "hooks-route" in report.left["gin.nn.0"] and type(conv.gin.nn[0]) is nn.Linear
-    x = data.x.requires_grad_()
-    fp = _held(stock, data)
+    assert "no converted version" in report.hooks["graph"]
+    assert report.converted["gin"] == "QGINConv" and report.converted["gin.nn.0"] == "QLinear"
+    assert type(conv.graph) is GraphConv and type(conv.graph.lin_rel) is act_pyg.QPyGLinear
+    assert "ModelScope" in report.scope and "the rest of the forward" in str(report)
+    x = data.x.clone().requires_grad_()
+    with memory.track(stock) as fp:
+        torch.manual_seed(0)
+        ref = stock(x, data.edge_index)
     with memory.track(conv) as held:
+        torch.manual_seed(0)
         out = conv(x, data.edge_index)
-    assert torch.equal(out, stock(x, data.edge_index))  # outputs never change
+    assert torch.equal(out, ref)  # outputs never change
+    del ref
 
     def part(report, prefix):
         return sum(b for k, b in report.by_module.items() if k.startswith(prefix))
 
-    assert part(held, "gin") * 2 < part(fp, "gin")  # its int64 edge index (1/3 here) stays
+    assert part(held, "gin") * 4 < part(fp, "gin")  # its int32 index: 3/4 of what it keeps
+    assert part(held, "graph") * 2 < part(fp, "graph")  # with the input's int64 index
     assert part(held, "sage_norm") * 2 < part(fp, "sage_norm")
     # max aggregation: the E x C messages and the result stay exact, the linear inputs not
     assert part(held, "sage_max") < part(fp, "sage_max")
     out.square().sum().backward()
     for name, p in conv.named_parameters():
         assert p.grad is not None and p.grad.isfinite().all(), name
+
+
+def test_pyg_linear_is_a_q_layer():
+    """PyG's own Linear (its MLP, its convs' transforms) keeps its input compressed, even
+    when that input has no autograd history (features after dropout)."""
+    torch.manual_seed(0)
+    lin = PyGLinear(64, 32)
+    stock = copy.deepcopy(lin)
+    act_pyg.convert(lin, "L3")
+    assert type(lin) is act_pyg.QPyGLinear and isinstance(lin, PyGLinear)
+    x = F.dropout(torch.randn(500, 64), 0.5)  # graph-less, as node features usually are
+    with memory.track(lin) as held:
+        out = lin(x)
+    assert torch.equal(out, stock(x))
+    assert held.retained_bytes * 8 < x.nbytes
+    lazy = act_pyg.convert(PyGLinear(-1, 8), "L3")
+    assert lazy(x).shape == (500, 8) and lazy.in_channels == 64
 
 
 @pytest.mark.parametrize("aggr", ["max", "min"])
@@ -343,12 +458,14 @@ def test_max_aggregation_under_the_hooks_routes_gradients_exactly(aggr):
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
 
 
-def test_hooks_route_at_L0_is_exact():
+def test_message_passing_layers_at_L0_are_exact():
     data = bench.random_graph(200, 1000, 16, seed=2)
     torch.manual_seed(0)
-    stock = GIN()
+    stock = Mixed()
     conv = act_pyg.convert(copy.deepcopy(stock), "L0")
+    torch.manual_seed(1)
     stock(data.x, data.edge_index).sum().backward()
+    torch.manual_seed(1)
     conv(data.x, data.edge_index).sum().backward()
     for p1, p2 in zip(stock.parameters(), conv.parameters(), strict=True):
         torch.testing.assert_close(p2.grad, p1.grad)
@@ -395,7 +512,7 @@ def test_report_names_what_was_converted_and_left():
     assert rep.left["d"] == "excluded" and type(model.d) is GCNConv
     assert model.a.act_projection == 0.5
     text = str(rep)
-    assert "QGCNConv" in text and "hooks route b" in text and "left d: excluded" in text
+    assert "QGCNConv" in text and "saved-tensor hooks b" in text and "left d: excluded" in text
     act_pyg.convert(model, "L1")  # again: new options
     assert model.a.act_level == "L1" and model.a.act_projection is None
 
@@ -422,6 +539,10 @@ def test_bench_cli_smoke(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "planted-partition" in out and "fp32" in out and "act L3" in out
     assert "smaller" in out and path.exists()
+    saved_run = json.loads(path.read_text())
+    assert saved_run["command"].startswith("python -m act_pyg.bench --model gat")
+    assert saved_run["machine"]["cores"] and saved_run["torch_geometric"] and saved_run["date"]
+    assert saved_run["rows"][0]["model"] == "gat" and saved_run["rows"][0]["act_retained_bytes"]
     data = bench.planted_partition(num_nodes=200, num_features=8)
     del data.train_mask, data.test_mask
     saved = tmp_path / "graph.pt"
@@ -429,6 +550,15 @@ def test_bench_cli_smoke(capsys, tmp_path):
     cmd = ["--model", "sage", "--epochs", "1", "--seeds", "1", "--data", str(saved)]
     assert bench.main([*cmd, "--random-projection", "0.5"]) == 0
     assert f"user data from {saved}" in capsys.readouterr().out
+    mem = ["--model", "gin,gcn", "--style", "example", "--memory-only", "--nodes", "300"]
+    assert bench.main([*mem, "--features", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "gin (example style)" in out and "gcn (example style)" in out
+    assert "by the CPU profiler" in out
+    assert "accuracy difference" not in out  # nothing trained
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "gcn,gxn"])
+    assert "gxn" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--level", "L9"])
     assert "valid levels" in capsys.readouterr().err

@@ -61,7 +61,7 @@ def _grads(model, x, adj):
     return out, [xg.grad, *(p.grad for p in model.parameters())]
 
 
-@pytest.mark.parametrize("kind", ["gcn", "sage", "gat"])
+@pytest.mark.parametrize("kind", ["gcn", "sage", "gat", "gin"])
 def test_sparse_tensor_adjacency_same_forward_close_gradients_less_memory(kind, graph, capsys):
     x, edge_index, adj_t = graph
     torch.manual_seed(0)
@@ -112,7 +112,24 @@ def test_sparse_max_aggregation_gradient_is_exact(graph):
     torch.testing.assert_close(grads_c[0], grads_s[0], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["gcn", "sage"])
+@pytest.mark.parametrize("kind", ["sage", "gin"])
+def test_adjacency_values_ignored_as_the_stock_conv_ignores_them(kind, graph):
+    """SAGE and GIN sum or average neighbours with unit weights, dropping a SparseTensor's
+    values; the converted backward does too (L0 gradients equal the stock ones)."""
+    x, _, adj_t = graph
+    gen = torch.Generator().manual_seed(0)
+    valued = adj_t.set_value(torch.rand(adj_t.nnz(), generator=gen) + 0.5, layout="coo")
+    torch.manual_seed(0)
+    stock = bench.GNN(kind, 32, 64, 8, dropout=0.0)
+    l0 = act_pyg.convert(copy.deepcopy(stock), "L0")
+    out_s, grads_s = _grads(stock, x, valued)
+    out_0, grads_0 = _grads(l0, x, valued)
+    assert torch.equal(out_0, out_s)
+    for gs, g0 in zip(grads_s, grads_0, strict=True):
+        torch.testing.assert_close(g0, gs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["gcn", "sage", "gin"])
 def test_converted_path_takes_adj_t_like_edge_index(kind, graph):
     """Same retained bytes as with edge_index (the graph shared, int32), L0 gradients equal."""
     x, edge_index, adj_t = graph

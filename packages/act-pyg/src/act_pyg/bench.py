@@ -1,20 +1,26 @@
 """GNN benchmark: accuracy, activation memory and epoch time, full precision vs compressed.
 
-    python -m act_pyg.bench --model gcn|sage|gat [--level L3] [--get-mem] [--epochs 100]
-        [--seeds 3] [--random-projection 0.125] [--data PATH] [--device cpu]
+    python -m act_pyg.bench --model gcn|sage|gat|gin [--style module|example] [--level L3]
+        [--get-mem | --memory-only] [--epochs 100] [--seeds 3] [--random-projection 0.125]
+        [--nodes 3000] [--features 128] [--hidden 64] [--data PATH] [--device cpu]
 
-Trains a 2-layer model on a graph that builds offline (a planted-partition graph with
-class-dependent features, made here from a seed), or on a ``torch_geometric.data.Data``
-saved with ``torch.save`` (``--data``; it needs ``x``, ``y``, ``edge_index`` and, if it has
-them, ``train_mask``/``test_mask``). Each seed trains the same initialisation twice, in full
-precision and converted, and reports the final test accuracy of both.
+Trains a 2-layer model (activations and dropout as modules, or written as PyG's examples
+write them, with functional calls in ``forward``) on a graph that builds offline (a
+planted-partition graph with class-dependent features, made here from a seed), or on a
+``torch_geometric.data.Data`` saved with ``torch.save`` (``--data``; it needs ``x``, ``y``,
+``edge_index`` and, if it has them, ``train_mask``/``test_mask``). Each seed trains the
+same initialisation twice, in full precision and converted, and reports the final test
+accuracy of both; ``--get-mem`` also measures the bytes one training forward leaves held
+for backward (``actcore.memory``, and the CPU profiler as an independent check).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
-import json
+import gc
+import shlex
 import statistics
 import sys
 import time
@@ -22,16 +28,23 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.nn.functional as F
+import torch_geometric
 from torch import Tensor, nn
 from torch_geometric.data import Data
-from torch_geometric.nn import GATConv, GCNConv, SAGEConv
+from torch_geometric.nn import MLP, GATConv, GCNConv, GINConv, SAGEConv
 
 from actcore import memory
+from actcore.bench import report
 from actcore.config import LEVELS, level_spec
 
 from .convert import convert
 
-MODELS = ("gcn", "sage", "gat")
+MODELS = ("gcn", "sage", "gat", "gin")
+STYLES = ("module", "example")
+"""``module``: activations and dropout as modules (:class:`GNN`); ``example``: written as
+PyG's examples write them, with ``F.relu`` / ``F.elu`` / ``F.dropout`` in ``forward``
+(:data:`EXAMPLES`)."""
 # A quick configuration (the accuracy test): about 10 s of CPU for all three models.
 SMALL_GRAPH = {"num_nodes": 800, "num_features": 32, "num_classes": 4}
 SMALL_RUN = {"epochs": 50, "hidden": 32, "dropout": 0.2}
@@ -88,8 +101,26 @@ def random_graph(num_nodes: int, num_edges: int, num_features: int, seed: int = 
     return Data(x=x, edge_index=edge_index)
 
 
+def _gin_mlp(in_channels: int, hidden: int, out_channels: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(in_channels, hidden),
+        nn.BatchNorm1d(hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, out_channels),
+    )
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in MODELS:
+        raise ValueError(f"unknown model {kind!r}; valid models: {', '.join(MODELS)}")
+
+
 class GNN(nn.Module):
-    """dropout -> conv -> ReLU -> dropout -> conv, as modules (so all of it is converted)."""
+    """dropout -> conv -> activation -> dropout -> conv, as modules (all of it converted).
+
+    ``act``: ``"relu"`` or ``"elu"`` (as an ``nn`` module). GIN's convs hold a
+    Linear-BatchNorm-ReLU-Linear MLP.
+    """
 
     def __init__(
         self,
@@ -99,10 +130,10 @@ class GNN(nn.Module):
         out_channels: int,
         heads: int = 4,
         dropout: float = 0.5,
+        act: str = "relu",
     ) -> None:
         super().__init__()
-        if kind not in MODELS:
-            raise ValueError(f"unknown model {kind!r}; valid models: {', '.join(MODELS)}")
+        _check_kind(kind)
         self.kind = kind
         if kind == "gcn":
             self.conv1 = GCNConv(in_channels, hidden)
@@ -110,17 +141,121 @@ class GNN(nn.Module):
         elif kind == "sage":
             self.conv1 = SAGEConv(in_channels, hidden)
             self.conv2 = SAGEConv(hidden, out_channels)
-        else:
+        elif kind == "gat":
             self.conv1 = GATConv(in_channels, hidden // heads, heads=heads, dropout=dropout)
             self.conv2 = GATConv(hidden, out_channels, heads=1, dropout=dropout)
+        else:
+            self.conv1 = GINConv(_gin_mlp(in_channels, hidden, hidden))
+            self.conv2 = GINConv(_gin_mlp(hidden, hidden, out_channels))
         self.drop_in = nn.Dropout(dropout)
-        self.act = nn.ReLU()
+        self.act = {"relu": nn.ReLU, "elu": nn.ELU}[act]()
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
         x = self.drop_in(x)
         x = self.drop(self.act(self.conv1(x, edge_index)))
         return self.conv2(x, edge_index)
+
+
+# ---- the same models written the way PyG's examples write theirs ----------------------------
+
+
+class ExampleGCN(nn.Module):
+    """GCN with functional dropout and ``Tensor.relu`` between the convs."""
+
+    def __init__(self, in_channels: int, hidden: int, out_channels: int, dropout: float = 0.5):
+        super().__init__()
+        self.conv1 = GCNConv(in_channels, hidden)
+        self.conv2 = GCNConv(hidden, out_channels)
+        self.dropout = dropout
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        x = F.dropout(x, p=self.dropout, training=self.training)
+        x = self.conv1(x, edge_index).relu()
+        x = F.dropout(x, p=self.dropout, training=self.training)
+        return self.conv2(x, edge_index)
+
+
+class ExampleSAGE(nn.Module):
+    """GraphSAGE as a loop over a ``ModuleList``, ``F.relu`` and ``F.dropout`` inside it."""
+
+    def __init__(self, in_channels: int, hidden: int, out_channels: int, dropout: float = 0.5):
+        super().__init__()
+        self.convs = nn.ModuleList([SAGEConv(in_channels, hidden), SAGEConv(hidden, out_channels)])
+        self.dropout = dropout
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        x = F.dropout(x, p=self.dropout, training=self.training)
+        for i, conv in enumerate(self.convs):
+            x = conv(x, edge_index)
+            if i + 1 < len(self.convs):
+                x = F.relu(x)
+                x = F.dropout(x, p=self.dropout, training=self.training)
+        return x
+
+
+class ExampleGAT(nn.Module):
+    """GAT with ``F.elu`` and ``F.dropout`` (attention dropout inside the convs)."""
+
+    def __init__(
+        self, in_channels: int, hidden: int, out_channels: int, heads: int = 4, dropout=0.5
+    ):
+        super().__init__()
+        self.conv1 = GATConv(in_channels, hidden // heads, heads=heads, dropout=dropout)
+        self.conv2 = GATConv(hidden, out_channels, heads=1, dropout=dropout)
+        self.dropout = dropout
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        x = F.dropout(x, p=self.dropout, training=self.training)
+        x = F.elu(self.conv1(x, edge_index))
+        x = F.dropout(x, p=self.dropout, training=self.training)
+        return self.conv2(x, edge_index)
+
+
+class ExampleGIN(nn.Module):
+    """GIN whose convs hold PyG's ``MLP`` (Linear, batch norm, ReLU, Linear); ``F.relu``."""
+
+    def __init__(self, in_channels: int, hidden: int, out_channels: int, dropout: float = 0.5):
+        super().__init__()
+        self.conv1 = GINConv(MLP([in_channels, hidden, hidden]))
+        self.conv2 = GINConv(MLP([hidden, hidden, out_channels]))
+        self.dropout = dropout
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        x = F.dropout(x, p=self.dropout, training=self.training)
+        x = F.relu(self.conv1(x, edge_index))
+        x = F.dropout(x, p=self.dropout, training=self.training)
+        return self.conv2(x, edge_index)
+
+
+EXAMPLES: dict[str, type[nn.Module]] = {
+    "gcn": ExampleGCN,
+    "sage": ExampleSAGE,
+    "gat": ExampleGAT,
+    "gin": ExampleGIN,
+}
+EXAMPLE_ACT = {"gat": "elu"}  # the activation of each example (the module twin's ``act``)
+
+
+def make_model(
+    kind: str,
+    in_channels: int,
+    hidden: int,
+    out_channels: int,
+    *,
+    style: str = "module",
+    heads: int = 4,
+    dropout: float = 0.5,
+    act: str | None = None,
+) -> nn.Module:
+    """``kind`` in ``style``; a module-style model takes ``act`` (default: ReLU)."""
+    _check_kind(kind)
+    if style == "example":
+        extra = {"heads": heads} if kind == "gat" else {}
+        return EXAMPLES[kind](in_channels, hidden, out_channels, dropout=dropout, **extra)
+    if style != "module":
+        raise ValueError(f"unknown style {style!r}; valid styles: {', '.join(STYLES)}")
+    return GNN(kind, in_channels, hidden, out_channels, heads, dropout, act or "relu")
 
 
 @dataclass
@@ -142,10 +277,14 @@ class BenchResult:
     data: str
     device: str
     epochs: int
+    style: str = "module"
     fp: list[RunResult] = field(default_factory=list)
     act: list[RunResult] = field(default_factory=list)
     fp_retained_bytes: int | None = None
     act_retained_bytes: int | None = None
+    # what the CPU profiler saw the same forward leave allocated (output included)
+    fp_profiled_bytes: int | None = None
+    act_profiled_bytes: int | None = None
 
     @property
     def fp_accuracy(self) -> float:
@@ -184,18 +323,53 @@ def _train(
 
 def retained_bytes(model: nn.Module, data: Data) -> int:
     """Bytes one training forward leaves held for backward (actcore.memory)."""
+    return held_bytes(model, data, profile=False)[0]
+
+
+def held_bytes(model: nn.Module, data: Data, *, profile: bool = True) -> tuple[int, int | None]:
+    """One training forward: (bytes held for backward by ``actcore.memory``, bytes the CPU
+    profiler saw it leave allocated, output included; None off CPU or without ``profile``).
+
+    The profiler's sum of ``self_cpu_memory_usage`` is an independent measure: it differs
+    from the held bytes only by the output (allocated, not saved) and the saved tensors that
+    existed before the forward (inputs such as an ``edge_index`` that a layer saves).
+    """
     model.train()
-    with memory.track(model) as report:
+    profile = profile and data.x.device.type == "cpu"
+    if profile:  # warm-up: one-time lazy allocations stay out of the measured window
+        torch.manual_seed(0)
+        del_out = model(data.x, data.edge_index)
+        del del_out
+        gc.collect()
+    with contextlib.ExitStack() as stack:
+        prof = None
+        if profile:
+            prof = stack.enter_context(
+                torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+                )
+            )
+        report = stack.enter_context(memory.track(model))
+        torch.manual_seed(0)
         out = model(data.x, data.edge_index)
+    allocated = None if prof is None else sum(e.self_cpu_memory_usage for e in prof.events())
     del out
-    return report.retained_bytes
+    return report.retained_bytes, allocated
 
 
 def build_model(
-    kind: str, data: Data, hidden: int = 64, heads: int = 4, dropout: float = 0.5
-) -> GNN:
+    kind: str,
+    data: Data,
+    hidden: int = 64,
+    heads: int = 4,
+    dropout: float = 0.5,
+    style: str = "module",
+) -> nn.Module:
+    """``kind`` in ``style`` for ``data``'s features and classes."""
     classes = int(data.y.max()) + 1 if getattr(data, "y", None) is not None else 8
-    return GNN(kind, data.num_features, hidden, classes, heads=heads, dropout=dropout)
+    return make_model(
+        kind, data.num_features, hidden, classes, style=style, heads=heads, dropout=dropout
+    )
 
 
 def run(
@@ -212,8 +386,11 @@ def run(
     lr: float = 0.01,
     weight_decay: float = 5e-4,
     device: str = "cpu",
+    style: str = "module",
 ) -> BenchResult:
-    """Train ``kind`` on ``data`` per seed, full precision and converted (same init)."""
+    """Train ``kind`` (in ``style``) on ``data`` per seed, full precision and converted from
+    the same initialisation; with ``get_mem`` measure one training forward's held bytes
+    (``seeds=()``: only that)."""
     level = level_spec(level).name
     data = data.to(device)
     result = BenchResult(
@@ -223,49 +400,59 @@ def run(
         getattr(data, "source", "user data"),
         device,
         epochs,
+        style,
     )
-    for seed in seeds:
+
+    def pair(seed: int) -> tuple[nn.Module, nn.Module]:
         torch.manual_seed(seed)
-        fp = build_model(kind, data, hidden, dropout=dropout).to(device)
-        act = convert(copy.deepcopy(fp), level, random_projection=random_projection)
-        for model, runs in ((fp, result.fp), (act, result.act)):
+        fp = build_model(kind, data, hidden, dropout=dropout, style=style).to(device)
+        return fp, convert(copy.deepcopy(fp), level, random_projection=random_projection)
+
+    for seed in seeds:
+        for model, runs in zip(pair(seed), (result.fp, result.act), strict=True):
             torch.manual_seed(seed)  # the same dropout stream for both
             acc, sec = _train(model, data, epochs, lr, weight_decay)
             runs.append(RunResult(seed, acc, sec))
     if get_mem:
-        torch.manual_seed(0)
-        fp = build_model(kind, data, hidden, dropout=dropout).to(device)
-        act = convert(copy.deepcopy(fp), level, random_projection=random_projection)
-        result.fp_retained_bytes = retained_bytes(fp, data)
-        result.act_retained_bytes = retained_bytes(act, data)
+        fp, act = pair(0)
+        result.fp_retained_bytes, result.fp_profiled_bytes = held_bytes(fp, data)
+        result.act_retained_bytes, result.act_profiled_bytes = held_bytes(act, data)
     return result
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
 
 
 def format_result(r: BenchResult) -> str:
     rp = "off" if r.random_projection is None else f"{r.random_projection}"
-    fp_t = statistics.fmean(x.epoch_seconds for x in r.fp) * 1e3
-    act_t = statistics.fmean(x.epoch_seconds for x in r.act) * 1e3
     lines = [
-        f"model {r.model}, level {r.level}, random projection {rp}, device {r.device}",
+        f"model {r.model} ({r.style} style), level {r.level}, random projection {rp}, "
+        f"device {r.device}",
         f"data: {r.data}",
-        f"{len(r.fp)} seed(s) x {r.epochs} epochs; final test accuracy, mean epoch time",
-        f"{'':<14}{'accuracy':>10}{'epoch ms':>10}{'held MiB':>10}",
     ]
-    for label, runs, mem, ms in (
-        ("fp32", r.fp, r.fp_retained_bytes, fp_t),
-        (f"act {r.level}", r.act, r.act_retained_bytes, act_t),
+    if r.fp:
+        lines.append(f"{len(r.fp)} seed(s) x {r.epochs} epochs; final test accuracy, epoch time")
+    lines.append(f"{'':<14}{'accuracy':>10}{'epoch ms':>10}{'held MiB':>10}{'profiler':>10}")
+    for label, runs, mem, prof in (
+        ("fp32", r.fp, r.fp_retained_bytes, r.fp_profiled_bytes),
+        (f"act {r.level}", r.act, r.act_retained_bytes, r.act_profiled_bytes),
     ):
-        acc = statistics.fmean(x.accuracy for x in runs) * 100
-        held = "-" if mem is None else f"{mem / 2**20:.2f}"
-        lines.append(f"{label:<14}{acc:>9.2f}%{ms:>10.1f}{held:>10}")
+        acc = f"{statistics.fmean(x.accuracy for x in runs) * 100:.2f}%" if runs else "-"
+        ms = f"{statistics.fmean(x.epoch_seconds for x in runs) * 1e3:.1f}" if runs else "-"
+        lines.append(f"{label:<14}{acc:>10}{ms:>10}{_mib(mem):>10}{_mib(prof):>10}")
     if r.fp_retained_bytes and r.act_retained_bytes:
-        lines.append(
-            f"activation memory held for backward: {r.fp_retained_bytes / r.act_retained_bytes:.1f}x"
-            " smaller"
-        )
-    lines.append(
-        f"accuracy difference (act - fp): {(r.act_accuracy - r.fp_accuracy) * 100:+.2f} points"
-    )
+        ratio = r.fp_retained_bytes / r.act_retained_bytes
+        line = f"activation memory held for backward: {ratio:.1f}x smaller"
+        if r.fp_profiled_bytes and r.act_profiled_bytes:
+            line += (
+                f" ({r.fp_profiled_bytes / r.act_profiled_bytes:.1f}x by the CPU profiler:"
+                " what one forward left allocated, output included)"
+            )
+        lines.append(line)
+    if r.fp:
+        diff = (r.act_accuracy - r.fp_accuracy) * 100
+        lines.append(f"accuracy difference (act - fp): {diff:+.2f} points")
     return "\n".join(lines)
 
 
@@ -291,7 +478,16 @@ def load_data(path: str) -> Data:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m act_pyg.bench", description=__doc__)
-    parser.add_argument("--model", choices=MODELS, default="gcn")
+    parser.add_argument(
+        "--model", default="gcn", help=f"one or more of {', '.join(MODELS)}, comma-separated"
+    )
+    parser.add_argument(
+        "--style",
+        choices=STYLES,
+        default="module",
+        help="module: nn.ReLU / nn.Dropout modules; example: F.relu / F.elu / F.dropout "
+        "in forward, as PyG's examples write models",
+    )
     parser.add_argument("--level", default="L3", help=f"one of {', '.join(LEVELS)}")
     parser.add_argument("--get-mem", action="store_true", help="measure retained memory")
     parser.add_argument("--epochs", type=int, default=100)
@@ -299,33 +495,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--random-projection", type=float, default=None, metavar="FRACTION")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--nodes", type=int, default=3000, help="planted-partition size")
+    parser.add_argument("--features", type=int, default=128, help="planted-partition features")
+    parser.add_argument(
+        "--memory-only", action="store_true", help="only measure held memory (no training)"
+    )
     parser.add_argument("--data", default=None, help="a torch.save'd torch_geometric Data")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json", default=None, help="also write the result here")
+    parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     try:
         level_spec(args.level)
     except ValueError as err:
         parser.error(str(err))
+    kinds = [k.strip() for k in args.model.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in MODELS]
+    if unknown or not kinds:
+        parser.error(f"unknown model(s) {unknown}; valid models: {', '.join(MODELS)}")
     if args.epochs < 1 or args.seeds < 1:
         parser.error("--epochs and --seeds must be positive")
-    data = load_data(args.data) if args.data else planted_partition(num_nodes=args.nodes)
-    result = run(
-        args.model,
-        data,
-        level=args.level,
-        epochs=args.epochs,
-        seeds=range(args.seeds),
-        random_projection=args.random_projection,
-        get_mem=args.get_mem,
-        hidden=args.hidden,
-        device=args.device,
-    )
-    print(format_result(result))
+    if args.data:
+        data = load_data(args.data)
+    else:
+        data = planted_partition(num_nodes=args.nodes, num_features=args.features)
+    results = []
+    for kind in kinds:
+        result = run(
+            kind,
+            data,
+            level=args.level,
+            epochs=args.epochs,
+            seeds=() if args.memory_only else range(args.seeds),
+            random_projection=args.random_projection,
+            get_mem=args.get_mem or args.memory_only,
+            hidden=args.hidden,
+            device=args.device,
+            style=args.style,
+        )
+        print(format_result(result), end="\n\n" if kind != kinds[-1] else "\n")
+        results.append(result)
     if args.json:
-        payload = asdict(result) | {"torch": torch.__version__}
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        config = {k: v for k, v in vars(args).items() if k != "json"}
+        payload = report.result("act-pyg", [asdict(r) for r in results], config, argv=argv)
+        payload["command"] = shlex.join(["python", "-m", "act_pyg.bench", *argv])
+        payload["torch_geometric"] = torch_geometric.__version__
+        report.write_json(args.json, payload)
     return 0
 
 

@@ -15,7 +15,6 @@ from actcore.config import level_spec
 from actcore.convert import check_exclude
 from actcore.convert import is_excluded as _excluded
 
-from . import hooks
 from .convs import CONVERTED, QMessagePassing, unsupported_reason
 
 log = logging.getLogger("act_pyg")
@@ -28,8 +27,9 @@ class ConversionReport(actcore.ConversionReport):
     """What :func:`convert` did.
 
     ``converted``: module name -> new class (convs and actcore's Q-layers); ``left``: module
-    name -> why it kept its class; ``hooks``: message-passing modules that run under the
-    saved-tensor hooks route instead (name -> class and reason).
+    name -> why it kept its class; ``hooks``: message-passing modules that keep their class
+    (name -> class and reason), whose saved tensors the model's scope compresses (the
+    saved-tensor hooks and functional routing of :mod:`actcore.scope`); ``scope``: that scope.
     """
 
     hooks: dict[str, str] = field(default_factory=dict)
@@ -42,8 +42,10 @@ class ConversionReport(actcore.ConversionReport):
             else f", random projection {self.random_projection}"
         )
         lines = [f"act_pyg.convert at {self.level}{rp}: {len(self.converted)} converted"]
+        if self.scope is not None:
+            lines.append(f"  the rest of the forward: {self.scope}")
         lines += [f"  converted {name or '<root>'}: {cls}" for name, cls in self.converted.items()]
-        lines += [f"  hooks route {name}: {why}" for name, why in self.hooks.items()]
+        lines += [f"  saved-tensor hooks {name}: {why}" for name, why in self.hooks.items()]
         lines += [f"  left {name or '<root>'}: {why}" for name, why in self.left.items()]
         return "\n".join(lines)
 
@@ -72,10 +74,13 @@ def convert(
 
     * GCNConv, SAGEConv and GATConv become :class:`QGCNConv`, :class:`QSAGEConv` and
       :class:`QGATConv` (same object, parameters and ``state_dict`` keys, same output);
-    * other message-passing layers (and those whose options the converted classes do not
-      cover) run under the saved-tensor hooks route;
     * Linear, ReLU, Dropout, BatchNorm1d, LayerNorm... become actcore's Q-layers
-      (:func:`actcore.convert`).
+      (:func:`actcore.convert`), inside other message-passing layers too (GINConv's MLP);
+    * everything else the forward saves (other message-passing layers, those whose options
+      the converted classes do not cover, functional ``F.relu`` / ``F.elu`` /
+      ``F.dropout`` between the convs) is compressed by the model's scope, the
+      saved-tensor hooks and functional routing that :func:`actcore.convert` attaches to
+      the root module's forward; what max/min aggregations compare stays exact.
 
     Args:
         level: an actcore level (``"L0"`` ... ``"L5"``); ValueError lists the valid ones.
@@ -114,12 +119,10 @@ def convert(
                     if known is not None
                     else f"{type(module).__name__} has no converted version"
                 )
-                hooks.install(module, spec.name)
                 report.hooks[name] = f"{type(module).__name__} ({why})"
                 continue
             reason = unsupported_reason(module)
             if reason is not None:
-                hooks.install(module, spec.name)
                 report.hooks[name] = f"{type(module).__name__} ({reason})"
                 continue
             module.__class__ = target
@@ -127,21 +130,13 @@ def convert(
         module.act_projection = projection
         module.act_attention_bits = attention_bits
         report.converted[name] = target.__name__
-    # Layers inside a hooks-route layer stay as they are: the hooks compress their saved
-    # tensors, and would otherwise quantize a Q-layer's packed data a second time.
-    hooked = tuple(f"{name}." for name in report.hooks)
-
-    def inside_hooks_route(name: str, module: nn.Module) -> bool:
-        return name.startswith(hooked)
-
-    actcore.convert(gnn, spec.name, exclude=(*rules, inside_hooks_route))
+    actcore.convert(gnn, spec.name, exclude=rules)
     core = gnn.act_report
     for name, cls in core.converted.items():
         report.converted.setdefault(name, cls)
     for name, why in core.left.items():
-        if inside_hooks_route(name, gnn):
-            why = "inside a hooks-route layer (its saved tensors are compressed by the hooks)"
         report.left.setdefault(name, why)
+    report.scope = core.scope
     gnn.act_report = report
     log.info("%s", report)
     return gnn

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch_geometric.nn import GATConv, GCNConv, MessagePassing, SAGEConv
+from torch_geometric.nn import GATConv, GCNConv, GINConv, MessagePassing, SAGEConv
 from torch_geometric.nn.conv.gcn_conv import gcn_norm
 from torch_geometric.typing import SparseTensor
 from torch_geometric.utils import add_self_loops, remove_self_loops
@@ -30,7 +30,6 @@ from actcore.engine import needs_saving
 
 from .functions import GATAttention, LinearAggregation, linear
 from .graph import Graph, shared_graph
-from .hooks import saved_tensor_context
 
 LINEAR_AGGRS = ("add", "sum", "mean")
 
@@ -69,6 +68,17 @@ def _adjacency_graph(tag: Any, adj_in: Any, adj: Any, num_nodes: int) -> Graph:
     return shared_graph(("adj", tag), inputs, num_nodes, build)
 
 
+def _unit_graph(x: Tensor, edge_index: Any) -> tuple[Graph, Any]:
+    """Backward's graph and the forward's index for a conv that sums or averages its
+    neighbours with unit weights (SAGE, GIN: they drop a ``SparseTensor``'s values)."""
+    n = x.size(0)
+    if isinstance(edge_index, SparseTensor):
+        unit = edge_index.set_value(None, layout=None)
+        return _adjacency_graph(("unit",), edge_index, unit, n), edge_index
+    graph = shared_graph(("plain",), (edge_index,), n, lambda: (edge_index, None))
+    return graph, graph.edge_index
+
+
 class QMessagePassing:
     """Mixin of the converted convs: level, random projection and attention bits."""
 
@@ -84,9 +94,9 @@ class QMessagePassing:
         return None
 
     def _stock(self, *args: Any, **kwargs: Any) -> Any:
-        """The stock forward under the saved-tensor hooks route."""
-        with saved_tensor_context(self.act_level):
-            return super().forward(*args, **kwargs)  # type: ignore[misc]
+        """The stock forward (inside a converted model's forward, the model's scope
+        compresses what it saves, as for any other op)."""
+        return super().forward(*args, **kwargs)  # type: ignore[misc]
 
 
 def _pending_backward(module: torch.nn.Module, x: Any) -> bool:
@@ -197,13 +207,7 @@ class QSAGEConv(QMessagePassing, SAGEConv):
             or self._runtime_reason()
         ):
             return self._stock(x, edge_index, size)
-        n = x.size(0)
-        if isinstance(edge_index, SparseTensor):
-            graph = _adjacency_graph(("plain",), edge_index, edge_index, n)
-            forward_index: Any = edge_index
-        else:
-            graph = shared_graph(("plain",), (edge_index,), n, lambda: (edge_index, None))
-            forward_index = graph.edge_index
+        graph, forward_index = _unit_graph(x, edge_index)
         agg = LinearAggregation.apply(
             x,
             self,
@@ -216,6 +220,35 @@ class QSAGEConv(QMessagePassing, SAGEConv):
         if self.root_weight:
             out = out + linear(self, self.lin_r, x)
         return out
+
+
+class QGINConv(QMessagePassing, GINConv):
+    """GINConv (sum or mean): the aggregation keeps only the shared edge index; its MLP
+    (actcore's Q-layers after :func:`act_pyg.convert`) keeps its own inputs compressed."""
+
+    def forward(self, x: Any, edge_index: Any, size: Any = None) -> Tensor:
+        if not _pending_backward(self, x):
+            return super().forward(x, edge_index, size)
+        if (
+            not isinstance(x, Tensor)
+            or x.dim() != 2
+            or size is not None
+            or not (_plain_index(edge_index) or _adjacency(edge_index, self.flow))
+            or self.aggr not in LINEAR_AGGRS
+            or self._runtime_reason()
+        ):
+            return self._stock(x, edge_index, size)
+        graph, forward_index = _unit_graph(x, edge_index)
+        out = LinearAggregation.apply(
+            x,
+            self,
+            graph,
+            self.aggr == "mean",
+            self.flow,
+            lambda t: self.propagate(forward_index, x=(t, t), size=None),
+        )
+        out = out + (1 + self.eps) * x
+        return self.nn(out)
 
 
 def _gat_graph(conv: GATConv, edge_index: Tensor, n: int) -> Graph:
@@ -282,12 +315,13 @@ CONVERTED: dict[type[MessagePassing], type[MessagePassing]] = {
     GCNConv: QGCNConv,
     SAGEConv: QSAGEConv,
     GATConv: QGATConv,
+    GINConv: QGINConv,
 }
 
 
 def unsupported_reason(module: MessagePassing) -> str | None:
     """Why ``module``'s configuration cannot take its converted class (None if it can)."""
-    if isinstance(module, GCNConv) and module.aggr not in LINEAR_AGGRS:
+    if isinstance(module, (GCNConv, GINConv)) and module.aggr not in LINEAR_AGGRS:
         return f"aggr={module.aggr!r} is not a linear aggregation"
     if isinstance(module, SAGEConv):
         if module.aggr not in LINEAR_AGGRS:
