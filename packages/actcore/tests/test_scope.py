@@ -316,3 +316,35 @@ def test_compiled_model_keeps_the_saving() -> None:
     assert torch.equal(out, base(x))
     out.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_history_free_data_is_compressed_and_constants_are_exact() -> None:
+    """Without autograd history: features derived from the input (a no-grad dropout of
+    node features) are data, compressed; a table made in the forward from positions (rotary
+    cos) is a constant of the forward, kept exact (2 bits would scramble every q's grad)."""
+
+    class Rotary(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(128, 128) / 12)
+            self.register_buffer("freq", torch.rand(128))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.dropout(x, 0.5, self.training)  # history-free: x needs no grad
+            q = h @ self.w  # saves h: data
+            cos = torch.cos(torch.arange(x.shape[1]).float()[:, None] * self.freq)
+            return q * cos  # saves cos: a constant
+
+    x = torch.randn(8, 64, 128)
+    model = actcore.convert(Rotary(), "L3")
+    with memory.track(model) as rep:
+        out = model(x)
+    h_2bit = actcore.ops.quantize(x.reshape(-1, 128), 2).nbytes  # matmul saves h folded
+    cos_fp32 = 64 * 128 * 4
+    assert rep.retained_bytes == h_2bit + cos_fp32
+    out.sum().backward()
+    ref = Rotary()
+    ref.load_state_dict(model.state_dict())
+    torch.manual_seed(0)
+    (ref(x) * 1).sum().backward()
+    assert torch.isfinite(model.w.grad).all()

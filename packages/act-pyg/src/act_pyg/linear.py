@@ -17,7 +17,7 @@ from torch_geometric.nn.dense.linear import Linear
 
 from actcore.layers import QLayer, register_q_layer
 from actcore.layers.functions import LinearFunction
-from actcore.layers.modules import _LOWER, _autocast  # QLinear's autocast casts
+from actcore.layers.modules import LOWER_PRECISION, autocast_inputs  # QLinear's autocast casts
 
 __all__ = ["QPyGLinear"]
 
@@ -30,7 +30,7 @@ class QPyGLinear(QLayer, Linear):
             x, self.weight, self.bias
         ):
             return super().forward(x)
-        x, weight, bias = _autocast(_LOWER, x, self.weight, self.bias)
+        x, weight, bias = autocast_inputs(LOWER_PRECISION, x, self.weight, self.bias)
         return LinearFunction.apply(x, weight, bias, self)
 
 

@@ -163,7 +163,10 @@ def _finite_ema(
     assert old is not None and seen is not None
     safe = torch.where(torch.isfinite(new), new, 0.0)
     averaged = torch.where(seen > 0, old * momentum + safe * (1 - momentum), safe)
-    return torch.where(taken, averaged, old), seen + taken.long(), taken
+    # in place: the running statistics keep their storage (no allocation outlives the step)
+    old.copy_(torch.where(taken, averaged, old))
+    seen.add_(taken.long())
+    return old, seen, taken
 
 
 def _gain(weight: float, bits: int) -> float:

@@ -149,7 +149,7 @@ def convert(
     if not inplace:
         model = copy.deepcopy(model)
     report = ConversionReport(spec.name)
-    excluded: list[nn.Module] = []
+    excluded: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         if exclude and name and _excluded_here(name, module, exclude, excluded, report):
             continue
@@ -183,7 +183,7 @@ def convert(
     if layers_only or not (spec.compresses or spec.swap):
         detach_scope(model)
     else:
-        attach_scope(model, spec, fewbit_bits=fewbit_bits, excluded=excluded)
+        attach_scope(model, spec, fewbit_bits=fewbit_bits, excluded=list(excluded.values()))
     report.scope = None if layers_only else repr(getattr(model, "act_scope", None))
     model.act_report = report
     log.info("%s", report)
@@ -194,18 +194,20 @@ def _excluded_here(
     name: str,
     module: nn.Module,
     rules: tuple[Exclude, ...],
-    excluded: list[nn.Module],
+    excluded: dict[str, nn.Module],
     report: ConversionReport,
 ) -> bool:
-    """Whether ``module`` is excluded (by a rule, or inside an excluded module); records it."""
-    outer = next(
-        (n for n in report.left if report.left[n] == "excluded" and name.startswith(f"{n}.")), None
-    )
-    if outer is None and not is_excluded(name, module, rules):
+    """Whether ``module`` is excluded (by a rule, or inside an excluded module); records it.
+
+    ``excluded`` collects the modules a rule named (their forward runs with the hooks
+    suspended, which covers everything inside them).
+    """
+    inside = any(name.startswith(f"{outer}.") for outer in excluded)
+    if not inside and not is_excluded(name, module, rules):
         return False
-    if outer is None:
-        excluded.append(module)  # its forward runs with the hooks suspended
-        report.left[name] = "excluded"
+    if not inside:
+        excluded[name] = module
+    report.left[name] = "excluded"
     if isinstance(module, QLayer):  # converted before: it keeps its tensors as torch does
         module.act_level = "L0"
     return True

@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from . import engine, memory, ops, rng
 from .compressors import Compressor, Quantize, Swap, ZeroValue
-from .op_mode import OpMode, created_by_attention
+from .op_mode import DataMarks, OpMode, created_by_attention
 
 __all__ = [
     "FLOATS",
@@ -358,7 +358,12 @@ class SavedTensorCompressor:
         hooks.__enter__()
         self._local.hooks = hooks
         if self.exact_ops or self.router is not None:
-            mode = OpMode(router=self.router, suspended=self.suspended, exact=self.exact_ops)
+            mode = OpMode(
+                router=self.router,
+                suspended=self.suspended,
+                exact=self.exact_ops,
+                marks=getattr(self._local, "marks", None) if self.tailored else None,
+            )
             mode.__enter__()
             self._local.mode = mode
         return self
@@ -425,14 +430,19 @@ class SavedTensorCompressor:
         if fn is None:
             if t.requires_grad or not t.is_floating_point():
                 return False
-            inputs = getattr(self._local, "inputs", None)
-            return inputs is not None and _storage_ptr(t) not in inputs
+            marks = getattr(self._local, "marks", None)
+            return marks is not None and t not in marks
         return type(fn).__name__ in _EXACT_OUTPUT_NODES
 
     def set_inputs(self, tensors: Iterable[Any]) -> None:
-        """The root forward's tensor inputs on this thread (``tailored``: other tensors
-        without autograd history are constants of the forward, kept exact)."""
-        self._local.inputs = {_storage_ptr(t) for t in tensors if isinstance(t, Tensor)}
+        """The root forward's tensor inputs on this thread. With ``tailored``, a tensor
+        without autograd history is data when it derives from a floating input (followed
+        through the ops the mode sees), else a constant of the forward, kept exact."""
+        marks = DataMarks()
+        for t in tensors:
+            if isinstance(t, Tensor) and t.is_floating_point():
+                marks.add(t)
+        self._local.marks = marks
 
     def pack(self, t: Tensor) -> _Handle:
         """The pack hook."""

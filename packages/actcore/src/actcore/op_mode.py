@@ -22,6 +22,7 @@ function's Python body, or from C++, is not seen).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +31,14 @@ import torch.nn.functional as F
 
 from .exact_ops import ExactOps, _lookup
 
-__all__ = ["ATTENTION_FUNCTIONS", "OpMode", "created_by_attention", "outside_function_modes"]
+__all__ = [
+    "ATTENTION_FUNCTIONS",
+    "DataMarks",
+    "OpMode",
+    "call_outside_modes",
+    "created_by_attention",
+    "outside_function_modes",
+]
 
 ATTENTION_FUNCTIONS = frozenset({F.scaled_dot_product_attention, F.multi_head_attention_forward})
 """Calls inside which float tensors saved outside the autograd graph stay exact."""
@@ -41,6 +49,13 @@ def _is_attention(func: Any) -> bool:
         return func in ATTENTION_FUNCTIONS
     except TypeError:  # an unhashable callable: none of these
         return False
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 def _inputs(args: tuple, kwargs: dict) -> tuple[frozenset[int], int]:
@@ -68,6 +83,48 @@ def created_by_attention(mode: OpMode | None, t: torch.Tensor, storage: int) -> 
     )
 
 
+class DataMarks:
+    """Tensors without autograd history that derive from a forward's floating inputs.
+
+    Such a tensor (node features after a no-grad dropout, an input cast or reshaped) is
+    data, compressed like any activation; one without history that does not derive from
+    the inputs (rotary cos/sin, position tables, masks made in the forward) is a constant of
+    the forward, kept exact. Marks follow the ops the mode sees: an output is marked when a
+    tensor argument is. Marks are by storage (views of marked data, such as the reshapes a
+    composite op saves, are data too) and last while the marked tensor lives.
+    """
+
+    def __init__(self) -> None:
+        self._ids: dict[int, weakref.ref] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        key = _storage(t)
+        if key:
+            self._ids[key] = weakref.ref(t)
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        ref = self._ids.get(_storage(t))
+        return ref is not None and ref() is not None
+
+    def follow(self, out: Any, args: tuple, kwargs: dict) -> None:
+        """Mark ``out`` (a tensor or a sequence of them) if a tensor argument is marked."""
+        if isinstance(out, torch.Tensor):
+            if out.requires_grad or not self._ids:
+                return
+            outs: tuple = (out,)
+        elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+            outs = tuple(o for o in out if isinstance(o, torch.Tensor) and not o.requires_grad)
+            if not outs or not self._ids:
+                return
+        else:
+            return
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor) and a in self:
+                for o in outs:
+                    self.add(o)
+                return
+
+
 class OpMode(ExactOps):
     """:class:`~actcore.exact_ops.ExactOps` plus attention tagging and functional routing.
 
@@ -75,8 +132,15 @@ class OpMode(ExactOps):
     running), calls go through untouched.
     """
 
-    def __init__(self, router: Any = None, suspended: Any = None, exact: bool = True) -> None:
+    def __init__(
+        self,
+        router: Any = None,
+        suspended: Any = None,
+        exact: bool = True,
+        marks: DataMarks | None = None,
+    ) -> None:
         super().__init__()
+        self.marks = marks
         self.attention = 0
         self.attention_inputs: frozenset[int] = frozenset()  # storages of the calls' tensors
         self.attention_numel = 0  # the most elements of one of those tensors
@@ -112,23 +176,38 @@ class OpMode(ExactOps):
             finally:
                 self.attention -= 1
                 self.attention_inputs, self.attention_numel = outer
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.marks is not None:
+            self.marks.follow(out, args, kwargs)
+        return out
 
 
 @contextlib.contextmanager
-def outside_function_modes() -> Iterator[None]:
-    """Run the block with the torch function modes popped (pushed back after).
+def outside_function_modes() -> Iterator[list[Any]]:
+    """Run the block with the torch function modes popped (pushed back after); yields them.
 
     Q-layers run their own Python machinery (choosing and packing compressors) under it:
     through an active mode every tensor attribute read would be a Python call.
     """
     depth = torch._C._len_torch_function_stack()
     if not depth:
-        yield
+        yield []
         return
     modes = [torch._C._pop_torch_function_stack() for _ in range(depth)]
     try:
-        yield
+        yield modes
     finally:
         for mode in reversed(modes):
             torch._C._push_on_torch_function_stack(mode)
+
+
+def call_outside_modes(fn: Any, args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` outside the torch function modes; an :class:`OpMode`'s data
+    marks still follow from the arguments to the result."""
+    with outside_function_modes() as modes:
+        out = fn(*args, **kwargs)
+    for mode in modes:
+        if isinstance(mode, OpMode) and mode.marks is not None:
+            mode.marks.follow(out, args, kwargs)
+            break
+    return out

@@ -162,14 +162,14 @@ def _affine_norm_args(router: FunctionalRouter, args: tuple, kwargs: dict) -> tu
 
 def _layer_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
     from .layers.functions import LayerNormFunction
-    from .layers.modules import _autocast
+    from .layers.modules import autocast_inputs
 
     found = _affine_norm_args(router, args, kwargs)
     if found is None:
         return NotImplemented
     shape = list(_arg(args, kwargs, 1, "normalized_shape", None))
     eps = float(_arg(args, kwargs, 4, "eps", 1e-5))
-    x, weight, bias = _autocast("layer_norm", *found)
+    x, weight, bias = autocast_inputs("layer_norm", *found)
     return LayerNormFunction.apply(x, shape, weight, bias, eps, router.layer)
 
 
@@ -188,7 +188,7 @@ def _group_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
 
 def _batch_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
     from .layers.functions import BatchNormFunction
-    from .layers.modules import _autocast
+    from .layers.modules import autocast_inputs
 
     x = args[0] if args else kwargs.get("input")
     running_mean = _arg(args, kwargs, 1, "running_mean", None)
@@ -207,7 +207,7 @@ def _batch_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
             return NotImplemented  # torch raises its own error
     elif running_mean is None or running_var is None:
         return NotImplemented
-    x, weight, bias = _autocast("batch_norm", x, weight, bias)
+    x, weight, bias = autocast_inputs("batch_norm", x, weight, bias)
     return BatchNormFunction.apply(
         x, weight, bias, running_mean, running_var, training, momentum, eps, router.layer
     )

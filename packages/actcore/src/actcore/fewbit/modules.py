@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..op_mode import outside_function_modes
+from ..op_mode import call_outside_modes
 from . import functional as FB
 from .functional import DEFAULT_BITS
 from .tables import check_bits
@@ -47,8 +47,7 @@ class _FewBit(nn.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # its own tailored treatment: a converted model's functional-op router stays out
-        with outside_function_modes():
-            return super().__call__(*args, **kwargs)
+        return call_outside_modes(super().__call__, args, kwargs)  # type: ignore[misc]
 
     def _set_bits(self, bits: int) -> None:
         self.bits = check_bits(bits)

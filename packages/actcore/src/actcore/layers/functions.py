@@ -50,7 +50,9 @@ def link(x: torch.Tensor) -> torch.Tensor | None:
     """
     if not (torch.is_grad_enabled() and x.requires_grad):
         return None
-    return x.reshape(-1)[:0] * 0  # no elements: no memory, yet on x's graph
+    # no elements: no memory (a clone of an empty view allocates nothing and keeps nothing
+    # of x's storage), yet on x's graph
+    return (x.narrow(0, 0, 0) if x.dim() else x.reshape(1)[:0]).clone()
 
 
 class _Unavailable(torch.autograd.Function):

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules.utils import _ntuple
 
 from ..engine import layer_spec, needs_saving
-from ..op_mode import outside_function_modes
+from ..op_mode import call_outside_modes
 from .functions import (
     AvgPoolFunction,
     BatchNormFunction,
@@ -43,8 +43,7 @@ class QLayer:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A Q-layer is its own tailored treatment: the functional-op router of a converted
         # model's scope has nothing to do inside it (and would only add per-call overhead).
-        with outside_function_modes():
-            return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        return call_outside_modes(super().__call__, args, kwargs)  # type: ignore[misc]
 
     def _compresses(self, *tensors: torch.Tensor | None) -> bool:
         spec = layer_spec(self)
@@ -68,7 +67,7 @@ def unsupported_reason(module: nn.Module) -> str | None:
 
 # --- autocast: cast inputs as torch's autocast casts them for the torch layer's own op ----
 
-_LOWER = "lower"  # conv / linear: autocast's lower-precision list on every device
+LOWER_PRECISION = "lower"  # conv / linear: autocast's lower-precision list on every device
 _PROBES: dict[str, Any] = {
     "batch_norm": lambda t: nn.functional.batch_norm(t, None, None, training=True),
     "layer_norm": lambda t: nn.functional.layer_norm(t, t.shape[-1:]),
@@ -88,7 +87,7 @@ def _autocast_target(op: str, device: torch.device) -> torch.dtype | None:
     is read off torch once: the op is run on a tiny tensor of a third floating dtype.
     """
     low = torch.get_autocast_dtype(device.type)
-    if op == _LOWER:
+    if op == LOWER_PRECISION:
         return low
     key = (op, device.type, low)
     if key not in _autocast_targets:
@@ -103,7 +102,7 @@ def _autocast_target(op: str, device: torch.device) -> torch.dtype | None:
     return _autocast_targets[key]
 
 
-def _autocast(op: str, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+def autocast_inputs(op: str, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """``tensors`` cast as autocast casts the inputs of torch's ``op`` (unchanged when off)."""
     x = tensors[0]
     if not torch.is_autocast_enabled(x.device.type):
@@ -142,7 +141,7 @@ class _QConvNd(QLayer):
         else:
             padding = _numeric_padding(self)
         args = (self.stride, padding, self.dilation, False, (0,) * nd, self.groups)
-        input, weight, bias = _autocast(_LOWER, input, self.weight, self.bias)
+        input, weight, bias = autocast_inputs(LOWER_PRECISION, input, self.weight, self.bias)
         return ConvFunction.apply(input, weight, bias, self, args, link(input))
 
 
@@ -167,7 +166,7 @@ class _QConvTransposeNd(QLayer):
             input, output_size, self.stride, self.padding, self.kernel_size, nd, self.dilation
         )
         args = (self.stride, self.padding, self.dilation, True, output_padding, self.groups)
-        input, weight, bias = _autocast(_LOWER, input, self.weight, self.bias)
+        input, weight, bias = autocast_inputs(LOWER_PRECISION, input, self.weight, self.bias)
         return ConvFunction.apply(input, weight, bias, self, args, link(input))
 
 
@@ -187,7 +186,7 @@ class QLinear(QLayer, nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight, self.bias):
             return super().forward(input)
-        input, weight, bias = _autocast(_LOWER, input, self.weight, self.bias)
+        input, weight, bias = autocast_inputs(LOWER_PRECISION, input, self.weight, self.bias)
         return LinearFunction.apply(input, weight, bias, self, link(input))
 
 
@@ -219,7 +218,7 @@ class QBatchNormBase(QLayer):
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got input size {input.size()}"
             )
-        input, weight, bias = _autocast("batch_norm", input, self.weight, self.bias)
+        input, weight, bias = autocast_inputs("batch_norm", input, self.weight, self.bias)
         return BatchNormFunction.apply(
             input,
             weight,
@@ -270,7 +269,7 @@ class QSyncBatchNorm(QBatchNormBase, nn.SyncBatchNorm):
             return super().forward(input)
         self._check_input_dim(input)
         factor = self._momentum_factor()
-        input, weight, bias = _autocast("batch_norm", input, self.weight, self.bias)
+        input, weight, bias = autocast_inputs("batch_norm", input, self.weight, self.bias)
         return SyncBatchNormFunction.apply(
             input,
             weight,
@@ -288,7 +287,7 @@ class QLayerNorm(QLayer, nn.LayerNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight, self.bias):
             return super().forward(input)
-        input, weight, bias = _autocast("layer_norm", input, self.weight, self.bias)
+        input, weight, bias = autocast_inputs("layer_norm", input, self.weight, self.bias)
         return LayerNormFunction.apply(
             input, list(self.normalized_shape), weight, bias, self.eps, self
         )
@@ -312,7 +311,7 @@ def group_norm(
     layer: Any,
 ) -> torch.Tensor:
     """``F.group_norm`` (same output) keeping a compressed normalized input for ``layer``."""
-    input, weight, bias = _autocast("group_norm", input, weight, bias)
+    input, weight, bias = autocast_inputs("group_norm", input, weight, bias)
     if input.device.type == "cpu":  # the layout torch's group_norm hands its kernel
         input = input.contiguous(memory_format=_suggest_memory_format(input))
     else:
@@ -417,7 +416,7 @@ class _QAvgPoolNd(QLayer):
         if not needs_saving(input):
             return super().forward(input)
         nd = self._nd
-        (input,) = _autocast(f"avg_pool{nd}d", input)
+        (input,) = autocast_inputs(f"avg_pool{nd}d", input)
         tup = _ntuple(nd)
         kernel = tup(self.kernel_size)
         stride = tup(self.stride if self.stride is not None else self.kernel_size)
