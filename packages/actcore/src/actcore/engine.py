@@ -21,6 +21,8 @@ from .config import LevelSpec, config, level_spec
 
 CONV = "conv"  # inputs of conv / linear layers
 NORM = "norm"  # inputs of normalization layers
+NORMALIZED = "normalized"  # unit vectors (F.normalize outputs): at least NORMALIZED_BITS
+NORMALIZED_BITS = 4
 
 
 class _TensorTable:
@@ -103,6 +105,10 @@ def choose(layer: Any, role: str, x: torch.Tensor) -> Compressor:
     if in_checkpoint():
         return IDENTITY
     bits = spec.conv_bits if role == CONV else spec.norm_bits
+    if role == NORMALIZED and bits is not None:
+        # a projection onto the unit vector (its backward) cancels most of the gradient:
+        # the rounding error of the vector is not averaged out as a linear input's is
+        bits = max(bits, NORMALIZED_BITS)
     if bits is None or x.numel() < config.min_numel or not x.is_floating_point():
         base: Compressor = IDENTITY
     else:

@@ -144,7 +144,16 @@ class _Stored:
 class _Handle:
     """What autograd holds for one saved tensor."""
 
-    __slots__ = ("expand", "inv_perm", "perm_shape", "ref", "stored", "tensor", "version")
+    __slots__ = (
+        "expand",
+        "inv_perm",
+        "perm_shape",
+        "ref",
+        "stored",
+        "tensor",
+        "version",
+        "view",
+    )
 
     def __init__(self) -> None:
         self.tensor: Tensor | None = None  # kept as is (pass-through)
@@ -152,6 +161,7 @@ class _Handle:
         self.perm_shape: torch.Size | None = None
         self.inv_perm: tuple[int, ...] | None = None
         self.expand: torch.Size | None = None
+        self.view: tuple | None = None  # (size, stride, offset) into a restored base
         self.ref: weakref.ref | None = None
         self.version = 0
 
@@ -471,10 +481,17 @@ class SavedTensorCompressor:
         with torch.no_grad():
             return self._pack_compressed(t, key, bits)
 
-    def _reuse(self, t: Tensor, earlier: tuple) -> _Handle:
+    def _reuse(self, t: Tensor, earlier: tuple, base: Tensor | None = None) -> _Handle:
+        """A handle on an earlier packing of ``t`` (or of ``base``, ``t`` being a view of it:
+        the restored base is viewed as ``t`` again)."""
         comp, tensors, meta = earlier
         h = _Handle()
-        h.perm_shape, h.inv_perm, h.expand = t.shape, tuple(range(t.dim())), None
+        if base is None:
+            h.perm_shape, h.inv_perm, h.expand = t.shape, tuple(range(t.dim())), None
+        else:
+            h.perm_shape, h.inv_perm, h.expand = base.shape, tuple(range(base.dim())), None
+            offset = t.storage_offset() - base.storage_offset()
+            h.view = (tuple(t.shape), tuple(t.stride()), offset)
         h.version = t._version
         try:
             h.ref = weakref.ref(t)
@@ -507,9 +524,15 @@ class SavedTensorCompressor:
             if src is not None and stored is not None and src._version == t._version:
                 h.stored = stored
                 return h
-        earlier = engine.packing_of(t) if bits is not None else None
-        if earlier is not None:  # a Q-layer packed this very tensor: share its packing
-            return self._reuse(t, earlier)
+        if bits is not None:  # a Q-layer packed this very tensor, or what it views
+            earlier = engine.packing_of(t)
+            if earlier is not None:
+                return self._reuse(t, earlier)
+            base = t._base
+            if base is not None and base.is_contiguous() and base.dtype == t.dtype:
+                earlier = engine.packing_of(base)
+                if earlier is not None:
+                    return self._reuse(t, earlier, base)
         data = canon.contiguous()
         plain = expand is None and inv == tuple(range(t.dim()))  # canon is t's own layout
         mask = None
@@ -578,6 +601,8 @@ class SavedTensorCompressor:
             out = h.stored.restore(h.perm_shape).view(h.perm_shape).permute(h.inv_perm)
             if h.expand is not None:
                 out = out.expand(h.expand)
+            if h.view is not None:
+                out = out.as_strided(*h.view)
         return out
 
 

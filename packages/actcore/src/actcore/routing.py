@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import LevelSpec
+from .engine import NORMALIZED
 from .fewbit import functional as FB
 
 __all__ = ["FunctionalLayer", "FunctionalRouter"]
@@ -227,6 +228,20 @@ def _rms_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
     return RMSNormFunction.apply(x, shape, weight, eps, router.layer)
 
 
+def _normalize(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
+    from .layers.functions import NormalizeFunction
+
+    x = args[0] if args else kwargs.get("input")
+    p = _arg(args, kwargs, 1, "p", 2.0)
+    dim = _arg(args, kwargs, 2, "dim", 1)
+    eps = _arg(args, kwargs, 3, "eps", 1e-12)
+    if _arg(args, kwargs, 4, "out", None) is not None or p != 2 or not _saves(x):
+        return NotImplemented
+    if router.spec.norm_bits is None or not isinstance(dim, int):
+        return NotImplemented
+    return NormalizeFunction.apply(x, dim, float(eps), router.layer, NORMALIZED)
+
+
 def _wants_grad(*tensors: Any) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in tensors
@@ -333,6 +348,7 @@ def _table() -> dict[Any, _Handler]:
         table[fn] = _fewbit(FB.sigmoid, ())
     for fn in (torch.tanh, T.tanh, F.tanh):
         table[fn] = _fewbit(FB.tanh, ())
+    table[F.normalize] = _normalize
     table[F.scaled_dot_product_attention] = _sdpa
     table[F.multi_head_attention_forward] = _multi_head
     rms_norm = getattr(F, "rms_norm", None)

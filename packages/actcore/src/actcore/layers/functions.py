@@ -463,6 +463,32 @@ class GroupNormFunction(torch.autograd.Function):
         return gx, None, gw, gb, None, None
 
 
+class NormalizeFunction(torch.autograd.Function):
+    """``F.normalize`` (p=2) keeping its output compressed and the norm exact.
+
+    Backward: ``dx = (g - y * sum(g * y)) / max(|x|, eps)`` (the projection left out where
+    the norm was clamped to ``eps``). Nothing of ``x`` is kept: the output ``y`` is what the
+    next op (a cosine-attention product) saves anyway, so the two share one packing.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim, eps, layer, role):
+        norm = x.norm(2, dim, keepdim=True)
+        denom = norm.clamp_min(eps)
+        out = x / denom.expand_as(x)  # F.normalize's own ops: the same output
+        ctx.dim = dim
+        clamped = norm < eps
+        stash(ctx, layer, [(out, role), (denom, IDENTITY), (clamped, IDENTITY)])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, denom, clamped = unstash(ctx)
+        refuse_double_backward(ctx, f"F.normalize in {layer_name(ctx.act_layer)}")
+        dot = (grad * y).sum(ctx.dim, keepdim=True).masked_fill(clamped, 0)
+        return (grad - y * dot) / denom, None, None, None, None
+
+
 class RMSNormFunction(torch.autograd.Function):
     """RMS normalization (``F.rms_norm``) keeping ``x * rstd`` compressed and ``rstd`` exact.
 
