@@ -55,7 +55,7 @@ namespace actcore_cpu {
 namespace {
 
 // Bumped whenever the registered ops or the C entry points change; loader.py checks it.
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 constexpr int64_t kChunk = 1024;           // elements per inner pass (a multiple of 8)
 constexpr int64_t kGrainElements = 1 << 15;  // least work per parallel task
 constexpr uint32_t kMultA = 0x21F0AAADu;
@@ -232,7 +232,21 @@ ACTCORE_INLINE void min_max(const T* p, int64_t n, T& mn, T& mx) {
     vmn[l] = inf;
     vmx[l] = -inf;
   }
+  V vmn2 = vmn;  // two accumulators each: the compare-and-blend chains run side by side
+  V vmx2 = vmx;
   int64_t i = 0;
+  for (; i + 2 * kWidth <= n; i += 2 * kWidth) {
+    V v;
+    V w;
+    std::memcpy(&v, p + i, sizeof(V));
+    std::memcpy(&w, p + i + kWidth, sizeof(V));
+    const auto nan_v = v != v;
+    const auto nan_w = w != w;
+    vmn = ((v < vmn) | nan_v) ? v : vmn;
+    vmx = ((v > vmx) | nan_v) ? v : vmx;
+    vmn2 = ((w < vmn2) | nan_w) ? w : vmn2;
+    vmx2 = ((w > vmx2) | nan_w) ? w : vmx2;
+  }
   for (; i + kWidth <= n; i += kWidth) {
     V v;
     std::memcpy(&v, p + i, sizeof(V));
@@ -241,8 +255,8 @@ ACTCORE_INLINE void min_max(const T* p, int64_t n, T& mn, T& mx) {
     vmx = ((v > vmx) | nan) ? v : vmx;
   }
   for (int l = 0; l < kWidth; ++l) {
-    mn = min_nan(mn, vmn[l]);
-    mx = max_nan(mx, vmx[l]);
+    mn = min_nan(min_nan(mn, vmn[l]), vmn2[l]);
+    mx = max_nan(max_nan(mx, vmx[l]), vmx2[l]);
   }
   for (; i < n; ++i) {
     mn = min_nan(mn, p[i]);
@@ -276,6 +290,19 @@ typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x4 __attribute__((vector_size(16)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 typedef uint8_t u8x4 __attribute__((vector_size(4)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+// The low byte of each int32 lane, in lane order: one byte shuffle (a lane-wise conversion
+// to uint8 compiles to a scalar extract per lane).
+ACTCORE_INLINE u8x8 low_bytes(i32x8 v) {
+  const u8x32 b = (u8x32)v;
+  return __builtin_shufflevector(b, b, 0, 4, 8, 12, 16, 20, 24, 28);
+}
+ACTCORE_INLINE u8x4 low_bytes(i32x4 v) {
+  const u8x16 b = (u8x16)v;
+  return __builtin_shufflevector(b, b, 0, 4, 8, 12);
+}
 template <typename acc_t>
 struct Lanes;  // per 32-byte vector of acc_t: its index, int32 and uint8 vectors
 template <>
@@ -328,7 +355,7 @@ ACTCORE_INLINE void codes_of(const acc_t* v, int64_t m, acc_t lo, acc_t step, ac
       t = t + acc_t(0.5);
     }
     const V c = t >= vlevels ? vlevels : (t >= zero ? t : zero);
-    const B b = __builtin_convertvector(__builtin_convertvector(c, I), B);
+    const B b = low_bytes(__builtin_convertvector(c, I));  // codes are 0..255
     std::memcpy(codes + k, &b, sizeof(B));
   }
   for (; k < m; ++k) {
@@ -342,15 +369,60 @@ ACTCORE_INLINE void codes_of(const acc_t* v, int64_t m, acc_t lo, acc_t step, ac
 }
 
 // ---------------------------------------------------------------- quantize
+using actcore_kernels::MaskedQuantizeArgs;
+using actcore_kernels::MaskView;
 using actcore_kernels::QuantizeArgs;
+using actcore_kernels::mask_word;
 
-// Groups [g0, g1) of quantization.quantize_reference, operation for operation.
-template <typename scalar_t>
-ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, int64_t g0, int64_t g1) {
+// Where quantize_groups reads its values: the rows of a dense input ...
+template <typename scalar_t, typename acc_t>
+struct DenseSource {
+  const scalar_t* x;
+  int64_t cols;
+
+  // `m` values of row `row` from column `col` on, as acc_t (the input itself, or in `buf`).
+  ACTCORE_INLINE const acc_t* read(int64_t row, int64_t col, int64_t m, acc_t* buf) {
+    return as_acc<scalar_t, acc_t>(x + row * cols + col, m, buf);
+  }
+};
+
+// ... or the set elements of a mask over a dense input, in order (one row: the column of a
+// value is its rank among them). Reads run on from where the last one stopped.
+template <typename scalar_t, typename acc_t>
+struct MaskedSource {
+  const scalar_t* x;
+  MaskView mask;
+  int64_t word = 0;
+  uint64_t rest = 0;  // set bits of `word` not read yet
+  int64_t next = -1;  // rank of the next value read without a seek
+
+  ACTCORE_INLINE void seek(int64_t rank) {
+    const int64_t* o = mask.offsets;  // the last word with fewer set bits before it than rank
+    word = std::upper_bound(o, o + mask.words + 1, rank) - o - 1;
+    rest = mask_word(mask.bits, mask.numel, word);
+    for (int64_t k = o[word]; k < rank; ++k) rest &= rest - 1;
+  }
+
+  ACTCORE_INLINE const acc_t* read(int64_t, int64_t col, int64_t m, acc_t* buf) {
+    if (col != next) seek(col);
+    for (int64_t k = 0; k < m; ++k) {
+      while (rest == 0) rest = mask_word(mask.bits, mask.numel, ++word);
+      const int64_t i = word * 64 + __builtin_ctzll(rest);
+      rest &= rest - 1;
+      buf[k] = static_cast<acc_t>(x[i]);
+    }
+    next = col + m;
+    return buf;
+  }
+};
+
+// Groups [g0, g1) of quantization.quantize_reference, operation for operation, on the
+// values `src` reads.
+template <typename scalar_t, typename Source>
+ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, Source& src, int64_t g0, int64_t g1) {
   using acc_t = typename Acc<scalar_t>::type;
   alignas(64) acc_t buf[kChunk];
   alignas(64) uint8_t codes[kChunk];
-  const auto* x = static_cast<const scalar_t*>(a.x);
   const int64_t groups_per_row = (a.cols + a.group_size - 1) / a.group_size;
   const int64_t row_bytes = (a.cols + 7) / 8 * a.bits;
   const acc_t levels = static_cast<acc_t>((1 << a.bits) - 1);
@@ -361,14 +433,13 @@ ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, int64_t g0, int64_t g
     const int64_t row = gid / groups_per_row;
     const int64_t col0 = (gid - row * groups_per_row) * a.group_size;
     const int64_t n = std::min(a.group_size, a.cols - col0);
-    const scalar_t* xg = x + row * a.cols + col0;
 
     acc_t mn = inf;
     acc_t mx = -inf;
     const acc_t* held = nullptr;  // the converted group, when it fits one chunk
     for (int64_t off = 0; off < n; off += kChunk) {
       const int64_t m = std::min(kChunk, n - off);
-      held = as_acc<scalar_t, acc_t>(xg + off, m, buf);
+      held = src.read(row, col0 + off, m, buf);
       min_max(held, m, mn, mx);
     }
     uint16_t lo_bits;
@@ -389,7 +460,7 @@ ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, int64_t g0, int64_t g
       if (step == acc_t(0)) {  // a constant group: every code is 0
         std::memset(codes, 0, static_cast<size_t>(m8));
       } else {
-        const acc_t* v = n <= kChunk ? held : as_acc<scalar_t, acc_t>(xg + off, m, buf);
+        const acc_t* v = n <= kChunk ? held : src.read(row, col0 + off, m, buf);
         if (scaled) {  // (buf may be v itself: element by element, in place)
           for (int64_t k = 0; k < m; ++k) buf[k] = v[k] * scale;
           v = buf;
@@ -455,6 +526,70 @@ ACTCORE_INLINE void dequantize_groups(const DequantizeArgs& a, int64_t g0, int64
   }
 }
 
+// The dense output of masked_dequantize over words [w0, w1) of the mask: +0 everywhere, then
+// the values of the set elements (ranks offsets[w0] on), each computed as dequantize_groups
+// computes it. Works in spans of kChunk outputs (their codes fit the buffers).
+template <typename scalar_t>
+ACTCORE_INLINE void masked_dequantize_words(const actcore_kernels::MaskedDequantizeArgs& ma,
+                                            int64_t w0, int64_t w1) {
+  using acc_t = typename Acc<scalar_t>::type;
+  constexpr int64_t kSpanWords = kChunk / 64;
+  alignas(64) uint8_t codes[kChunk + 16];
+  alignas(64) acc_t values[kChunk];
+  const DequantizeArgs& a = ma.d;
+  const MaskView& m = ma.mask;
+  auto* out = static_cast<scalar_t*>(a.out);
+  const acc_t top = static_cast<acc_t>(std::numeric_limits<scalar_t>::max());
+  for (int64_t w = w0; w < w1; w += kSpanWords) {
+    const int64_t we = std::min(w1, w + kSpanWords);
+    std::fill(out + w * 64, out + std::min(m.numel, we * 64), scalar_t(0));
+    const int64_t r0 = m.offsets[w];
+    const int64_t r1 = m.offsets[we];
+    if (r1 == r0) continue;
+    const int64_t b0 = r0 / 8;
+    unpack_blocks(a.payload + b0 * a.bits, (r1 + 7) / 8 - b0, a.bits, codes);
+    const uint8_t* c = codes + (r0 - b0 * 8);
+    for (int64_t r = r0; r < r1;) {  // one group's run at a time
+      const int64_t g = r / a.group_size;
+      const int64_t end = std::min(r1, (g + 1) * a.group_size);
+      const acc_t lo = from_bf16<acc_t>(a.lo[g]);
+      const acc_t step = from_bf16<acc_t>(a.step[g]);
+      const bool finite = std::isfinite(lo) && std::isfinite(step);
+      const acc_t lo_q = finite ? lo * acc_t(0.25) : std::numeric_limits<acc_t>::quiet_NaN();
+      const acc_t step_q = step * acc_t(0.25);
+      for (int64_t k = r - r0; k < end - r0; ++k) {
+        acc_t value = (static_cast<acc_t>(c[k]) * step_q + lo_q) * acc_t(4);
+        values[k] = value < -top ? -top : (value > top ? top : value);  // NaN stays
+      }
+      r = end;
+    }
+    int64_t k = 0;
+    for (int64_t v = w; v < we; ++v) {
+      scalar_t* o = out + v * 64;
+      for (uint64_t bits = mask_word(m.bits, m.numel, v); bits != 0; bits &= bits - 1) {
+        o[__builtin_ctzll(bits)] = static_cast<scalar_t>(values[k++]);
+      }
+    }
+  }
+}
+
+// apply_mask over words [w0, w1): x where the mask is set, +0 elsewhere.
+template <typename scalar_t>
+ACTCORE_INLINE void apply_mask_words(const scalar_t* x, scalar_t* out, const MaskView& m,
+                                     int64_t w0, int64_t w1) {
+  for (int64_t w = w0; w < w1; ++w) {
+    const uint64_t bits = mask_word(m.bits, m.numel, w);
+    const int64_t n = std::min<int64_t>(64, m.numel - w * 64);
+    const scalar_t* xs = x + w * 64;
+    scalar_t* o = out + w * 64;
+    if (n == 64 && bits == ~uint64_t{0}) {
+      std::memcpy(o, xs, sizeof(scalar_t) * 64);
+      continue;
+    }
+    for (int64_t j = 0; j < n; ++j) o[j] = ((bits >> j) & 1) ? xs[j] : scalar_t(0);
+  }
+}
+
 // ---------------------------------------------------------------- element-wise ops
 void pack_range(const uint8_t* values, uint8_t* packed, int64_t n, int bits, int64_t b0,
                 int64_t b1) {
@@ -498,11 +633,29 @@ void hash_range(const int64_t* index, float* out, int64_t seed, int64_t i0, int6
 #define ACTCORE_VARIANTS(prefix, attr)                                                        \
   template <typename scalar_t>                                                                \
   attr void prefix##quantize(const QuantizeArgs& a, int64_t g0, int64_t g1) {                 \
-    quantize_groups<scalar_t>(a, g0, g1);                                                     \
+    DenseSource<scalar_t, typename Acc<scalar_t>::type> src{                                  \
+        static_cast<const scalar_t*>(a.x), a.cols};                                           \
+    quantize_groups<scalar_t>(a, src, g0, g1);                                                \
+  }                                                                                           \
+  template <typename scalar_t>                                                                \
+  attr void prefix##masked_quantize(const MaskedQuantizeArgs& a, int64_t g0, int64_t g1) {    \
+    MaskedSource<scalar_t, typename Acc<scalar_t>::type> src{                                 \
+        static_cast<const scalar_t*>(a.q.x), a.mask};                                         \
+    quantize_groups<scalar_t>(a.q, src, g0, g1);                                              \
   }                                                                                           \
   template <typename scalar_t>                                                                \
   attr void prefix##dequantize(const DequantizeArgs& a, int64_t g0, int64_t g1) {             \
     dequantize_groups<scalar_t>(a, g0, g1);                                                   \
+  }                                                                                           \
+  template <typename scalar_t>                                                                \
+  attr void prefix##masked_dequantize(const actcore_kernels::MaskedDequantizeArgs& a,         \
+                                      int64_t w0, int64_t w1) {                               \
+    masked_dequantize_words<scalar_t>(a, w0, w1);                                             \
+  }                                                                                           \
+  template <typename scalar_t>                                                                \
+  attr void prefix##apply_mask(const scalar_t* x, scalar_t* out, const MaskView& m,           \
+                               int64_t w0, int64_t w1) {                                      \
+    apply_mask_words<scalar_t>(x, out, m, w0, w1);                                            \
   }
 
 ACTCORE_VARIANTS(base_, )
@@ -520,6 +673,43 @@ void quantize_parallel(const QuantizeArgs& a) {
     if (avx2) return avx2_quantize<scalar_t>(a, g0, g1);
 #endif
     base_quantize<scalar_t>(a, g0, g1);
+  });
+}
+
+template <typename scalar_t>
+void masked_quantize_parallel(const MaskedQuantizeArgs& a) {
+  const int64_t groups = (a.q.cols + a.q.group_size - 1) / a.q.group_size;
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / a.q.group_size);
+  const bool avx2 = has_avx2();
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+#if ACTCORE_X86
+    if (avx2) return avx2_masked_quantize<scalar_t>(a, g0, g1);
+#endif
+    base_masked_quantize<scalar_t>(a, g0, g1);
+  });
+}
+
+template <typename scalar_t>
+void masked_dequantize_parallel(const actcore_kernels::MaskedDequantizeArgs& a) {
+  const bool avx2 = has_avx2();
+  at::parallel_for(0, a.mask.words, kGrainElements / 64, [&](int64_t w0, int64_t w1) {
+#if ACTCORE_X86
+    if (avx2) return avx2_masked_dequantize<scalar_t>(a, w0, w1);
+#endif
+    base_masked_dequantize<scalar_t>(a, w0, w1);
+  });
+}
+
+template <typename scalar_t>
+void apply_mask_parallel(const at::Tensor& xc, at::Tensor& out, const MaskView& m) {
+  const auto* x = static_cast<const scalar_t*>(xc.const_data_ptr());
+  auto* o = static_cast<scalar_t*>(out.mutable_data_ptr());
+  const bool avx2 = has_avx2();
+  at::parallel_for(0, m.words, kGrainElements / 64, [&](int64_t w0, int64_t w1) {
+#if ACTCORE_X86
+    if (avx2) return avx2_apply_mask<scalar_t>(x, o, m, w0, w1);
+#endif
+    base_apply_mask<scalar_t>(x, o, m, w0, w1);
   });
 }
 
@@ -551,15 +741,32 @@ void check_float(at::ScalarType type, const char* op) {
 using actcore_checks::check_bits;
 using actcore_checks::check_group_size;
 using actcore_checks::check_hash_index;
+using actcore_checks::check_mask;
 using actcore_checks::check_pack_values;
 using actcore_checks::check_packed_dtypes;
 using actcore_checks::check_packed_shapes;
 using actcore_checks::check_unpack_payload;
 using actcore_checks::dequantize_args;
 using actcore_checks::hash_buffers;
+using actcore_checks::mask_offsets_buffer;
+using actcore_checks::mask_view;
 using actcore_checks::quantize_args;
 using actcore_checks::quantize_outputs;
 using actcore_checks::rows_and_cols;
+
+// The offsets table of a contiguous mask `mc` over `numel` elements (set bits before each
+// word; the last entry is their count).
+at::Tensor mask_offsets(const at::Tensor& mc, int64_t numel) {
+  at::Tensor offsets = mask_offsets_buffer(mc, numel);
+  int64_t* o = offsets.mutable_data_ptr<int64_t>();
+  const uint8_t* bits = mc.const_data_ptr<uint8_t>();
+  const int64_t words = actcore_kernels::mask_words(numel);
+  o[0] = 0;
+  for (int64_t w = 0; w < words; ++w) {
+    o[w + 1] = o[w] + __builtin_popcountll(mask_word(bits, numel, w));
+  }
+  return offsets;
+}
 
 // ---------------------------------------------------------------- the ops
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x, int64_t bits,
@@ -629,6 +836,119 @@ at::Tensor dequantize_cpu(const at::Tensor& payload, const at::Tensor& lo, const
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_quantize_cpu(const at::Tensor& x,
+                                                                   const at::Tensor& mask,
+                                                                   int64_t bits,
+                                                                   int64_t group_size,
+                                                                   bool stochastic, int64_t seed) {
+  constexpr const char* op = "actcore::masked_quantize";
+  check_cpu(x, op, "x");
+  check_cpu(mask, op, "mask");
+  check_float(x.scalar_type(), op);
+  check_bits(bits, op);
+  check_group_size(group_size, op);
+  const int64_t numel = x.numel();
+  check_mask(mask, numel, op);
+  const at::Tensor mc = mask.contiguous();
+  const at::Tensor offsets = mask_offsets(mc, numel);
+  const int64_t count = offsets.const_data_ptr<int64_t>()[actcore_kernels::mask_words(numel)];
+  auto [payload, lo, step] = quantize_outputs(x, 1, count, group_size, bits);
+  if (count == 0) return {payload, lo, step};
+  const at::Tensor xc = x.contiguous();
+  const MaskedQuantizeArgs args{
+      quantize_args(xc, payload, lo, step, 1, count, group_size, bits, stochastic, seed),
+      mask_view(mc, offsets, numel)};
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      masked_quantize_parallel<float>(args);
+      break;
+    case at::kHalf:
+      masked_quantize_parallel<c10::Half>(args);
+      break;
+    case at::kBFloat16:
+      masked_quantize_parallel<c10::BFloat16>(args);
+      break;
+    default:
+      masked_quantize_parallel<double>(args);
+      break;
+  }
+  return {payload, lo, step};
+}
+
+at::Tensor masked_dequantize_cpu(const at::Tensor& payload, const at::Tensor& lo,
+                                 const at::Tensor& step, const at::Tensor& mask, int64_t bits,
+                                 int64_t group_size, at::IntArrayRef shape, at::ScalarType dtype) {
+  constexpr const char* op = "actcore::masked_dequantize";
+  check_cpu(payload, op, "payload");
+  check_cpu(lo, op, "lo");
+  check_cpu(step, op, "step");
+  check_cpu(mask, op, "mask");
+  check_float(dtype, op);
+  check_bits(bits, op);
+  check_group_size(group_size, op);
+  check_packed_dtypes(payload, lo, step, op);
+  at::Tensor out = at::empty(shape, payload.options().dtype(dtype));
+  const int64_t numel = out.numel();
+  check_mask(mask, numel, op);
+  if (numel == 0) return out;
+  const at::Tensor mc = mask.contiguous();
+  const at::Tensor offsets = mask_offsets(mc, numel);
+  const int64_t count = offsets.const_data_ptr<int64_t>()[actcore_kernels::mask_words(numel)];
+  if (count > 0) check_packed_shapes(payload, lo, step, 1, count, group_size, bits, op);
+  const at::Tensor pc = payload.contiguous();
+  const at::Tensor lc = lo.contiguous();
+  const at::Tensor sc = step.contiguous();
+  const actcore_kernels::MaskedDequantizeArgs args{
+      dequantize_args(pc, lc, sc, out, 1, count, group_size, bits), mask_view(mc, offsets, numel)};
+  switch (dtype) {
+    case at::kFloat:
+      masked_dequantize_parallel<float>(args);
+      break;
+    case at::kHalf:
+      masked_dequantize_parallel<c10::Half>(args);
+      break;
+    case at::kBFloat16:
+      masked_dequantize_parallel<c10::BFloat16>(args);
+      break;
+    default:
+      masked_dequantize_parallel<double>(args);
+      break;
+  }
+  return out;
+}
+
+at::Tensor apply_mask_cpu(const at::Tensor& x, const at::Tensor& mask) {
+  constexpr const char* op = "actcore::apply_mask";
+  check_cpu(x, op, "x");
+  check_cpu(mask, op, "mask");
+  check_float(x.scalar_type(), op);
+  const int64_t numel = x.numel();
+  check_mask(mask, numel, op);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (numel == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor mc = mask.contiguous();
+  actcore_kernels::MaskView view{};  // no offsets: each word stands alone
+  view.bits = mc.const_data_ptr<uint8_t>();
+  view.numel = numel;
+  view.words = actcore_kernels::mask_words(numel);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      apply_mask_parallel<float>(xc, out, view);
+      break;
+    case at::kHalf:
+      apply_mask_parallel<c10::Half>(xc, out, view);
+      break;
+    case at::kBFloat16:
+      apply_mask_parallel<c10::BFloat16>(xc, out, view);
+      break;
+    default:
+      apply_mask_parallel<double>(xc, out, view);
+      break;
+  }
+  return out;
+}
+
 at::Tensor pack_bits_cpu(const at::Tensor& values, int64_t bits) {
   constexpr const char* op = "actcore::pack_bits";
   check_cpu(values, op, "values");
@@ -676,7 +996,8 @@ at::Tensor hash_uniform_cpu(const at::Tensor& index, int64_t seed) {
 }
 
 actcore_registration::Registration<quantize_cpu, dequantize_cpu, pack_bits_cpu, unpack_bits_cpu,
-                                   hash_uniform_cpu>
+                                   hash_uniform_cpu, masked_quantize_cpu, masked_dequantize_cpu,
+                                   apply_mask_cpu>
     registration{c10::DispatchKey::CPU};
 
 }  // namespace

@@ -113,6 +113,31 @@ inline actcore_kernels::DequantizeArgs dequantize_args(const at::Tensor& pc, con
   return args;
 }
 
+// The masked ops' packed 1-bit mask over `numel` elements: uint8, ceil(numel / 8) bytes or more.
+inline void check_mask(const at::Tensor& mask, int64_t numel, const char* op) {
+  TORCH_CHECK(mask.scalar_type() == at::kByte, op,
+              ": mask must be a packed 1-bit mask (uint8, as pack_mask makes), got ",
+              mask.scalar_type());
+  TORCH_CHECK(mask.numel() >= (numel + 7) / 8, op, ": a mask over ", numel, " elements takes ",
+              (numel + 7) / 8, " bytes, got ", mask.numel());
+}
+
+// An empty offsets table for a mask over `numel` elements (words + 1 int64 entries).
+inline at::Tensor mask_offsets_buffer(const at::Tensor& mask, int64_t numel) {
+  return at::empty({actcore_kernels::mask_words(numel) + 1}, mask.options().dtype(at::kLong));
+}
+
+// The kernel view of a contiguous mask `mc` and its filled offsets table.
+inline actcore_kernels::MaskView mask_view(const at::Tensor& mc, const at::Tensor& offsets,
+                                           int64_t numel) {
+  actcore_kernels::MaskView view{};
+  view.bits = mc.const_data_ptr<uint8_t>();
+  view.offsets = offsets.const_data_ptr<int64_t>();
+  view.numel = numel;
+  view.words = actcore_kernels::mask_words(numel);
+  return view;
+}
+
 // pack_bits' values and unpack_bits' payload: uint8, and a payload long enough for `numel`.
 inline void check_pack_values(const at::Tensor& values, const char* op) {
   TORCH_CHECK(values.scalar_type() == at::kByte, op, " takes uint8 values, got ",

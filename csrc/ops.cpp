@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/cumsum.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -53,12 +54,15 @@ void check_cuda(const at::Tensor& t, const char* op, const char* name) {
 using actcore_checks::check_bits;
 using actcore_checks::check_group_size;
 using actcore_checks::check_hash_index;
+using actcore_checks::check_mask;
 using actcore_checks::check_pack_values;
 using actcore_checks::check_packed_dtypes;
 using actcore_checks::check_packed_shapes;
 using actcore_checks::check_unpack_payload;
 using actcore_checks::dequantize_args;
 using actcore_checks::hash_buffers;
+using actcore_checks::mask_offsets_buffer;
+using actcore_checks::mask_view;
 using actcore_checks::quantize_args;
 using actcore_checks::quantize_outputs;
 using actcore_checks::rows_and_cols;
@@ -155,8 +159,107 @@ at::Tensor hash_uniform_cuda(const at::Tensor& index, int64_t seed) {
   return out;
 }
 
+// The offsets table of a contiguous mask over `numel` elements: per-word counts, then their
+// cumulative sum (its last entry is the number of set elements).
+at::Tensor mask_offsets(const at::Tensor& mc, int64_t numel, cudaStream_t stream) {
+  at::Tensor counts = mask_offsets_buffer(mc, numel);
+  C10_CUDA_CHECK(launch_mask_counts(mc.const_data_ptr<uint8_t>(), numel,
+                                    counts.mutable_data_ptr<int64_t>(), stream));
+  return at::cumsum(counts, 0);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_quantize_cuda(const at::Tensor& x,
+                                                                    const at::Tensor& mask,
+                                                                    int64_t bits,
+                                                                    int64_t group_size,
+                                                                    bool stochastic,
+                                                                    int64_t seed) {
+  constexpr const char* op = "actcore::masked_quantize";
+  check_cuda(x, op, "x");
+  check_cuda(mask, op, "mask");
+  TORCH_CHECK(mask.device() == x.device(), op, ": x and mask must be on one device, got ",
+              x.device(), " and ", mask.device());
+  const Scalar dtype = scalar_of(x.scalar_type(), op);
+  check_bits(bits, op);
+  check_group_size(group_size, op);
+  const int64_t numel = x.numel();
+  check_mask(mask, numel, op);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device());
+  const at::Tensor mc = mask.contiguous();
+  const at::Tensor offsets = mask_offsets(mc, numel, stream);
+  // the outputs' sizes depend on the count: one read back (as torch's nonzero does)
+  const int64_t count = offsets.select(0, offsets.size(0) - 1).item<int64_t>();
+  auto [payload, lo, step] = quantize_outputs(x, 1, count, group_size, bits);
+  if (count == 0) return {payload, lo, step};
+  const at::Tensor xc = x.contiguous();
+  at::Tensor values = at::empty({count}, x.options());
+  C10_CUDA_CHECK(launch_masked_gather(dtype, xc.const_data_ptr(), mask_view(mc, offsets, numel),
+                                      values.mutable_data_ptr(), stream));
+  const QuantizeArgs args =
+      quantize_args(values, payload, lo, step, 1, count, group_size, bits, stochastic, seed);
+  C10_CUDA_CHECK(launch_quantize(dtype, args, stream));
+  return {payload, lo, step};
+}
+
+at::Tensor masked_dequantize_cuda(const at::Tensor& payload, const at::Tensor& lo,
+                                  const at::Tensor& step, const at::Tensor& mask, int64_t bits,
+                                  int64_t group_size, at::IntArrayRef shape,
+                                  at::ScalarType dtype) {
+  constexpr const char* op = "actcore::masked_dequantize";
+  check_cuda(payload, op, "payload");
+  check_cuda(lo, op, "lo");
+  check_cuda(step, op, "step");
+  check_cuda(mask, op, "mask");
+  TORCH_CHECK(lo.device() == payload.device() && step.device() == payload.device() &&
+                  mask.device() == payload.device(),
+              op, ": payload, lo, step and mask must be on one device");
+  const Scalar out_dtype = scalar_of(dtype, op);
+  check_bits(bits, op);
+  check_group_size(group_size, op);
+  check_packed_dtypes(payload, lo, step, op);
+  const c10::cuda::CUDAGuard guard(payload.device());
+  at::Tensor out = at::empty(shape, payload.options().dtype(dtype));
+  const int64_t numel = out.numel();
+  check_mask(mask, numel, op);
+  if (numel == 0) return out;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(out.get_device());
+  const at::Tensor mc = mask.contiguous();
+  const at::Tensor offsets = mask_offsets(mc, numel, stream);
+  const at::Tensor pc = payload.contiguous();
+  const at::Tensor lc = lo.contiguous();
+  const at::Tensor sc = step.contiguous();
+  // (no read back: the kernel takes each value's rank from the offsets table; the packed
+  // shapes were checked against the count when they were made)
+  const MaskedDequantizeArgs args{dequantize_args(pc, lc, sc, out, 1, 0, group_size, bits),
+                                  mask_view(mc, offsets, numel)};
+  C10_CUDA_CHECK(launch_masked_dequantize(out_dtype, args, stream));
+  return out;
+}
+
+at::Tensor apply_mask_cuda(const at::Tensor& x, const at::Tensor& mask) {
+  constexpr const char* op = "actcore::apply_mask";
+  check_cuda(x, op, "x");
+  check_cuda(mask, op, "mask");
+  TORCH_CHECK(mask.device() == x.device(), op, ": x and mask must be on one device, got ",
+              x.device(), " and ", mask.device());
+  const Scalar dtype = scalar_of(x.scalar_type(), op);
+  const int64_t numel = x.numel();
+  check_mask(mask, numel, op);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (numel == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor mc = mask.contiguous();
+  C10_CUDA_CHECK(launch_apply_mask(dtype, xc.const_data_ptr(), out.mutable_data_ptr(),
+                                   mc.const_data_ptr<uint8_t>(), numel,
+                                   c10::cuda::getCurrentCUDAStream(x.get_device())));
+  return out;
+}
+
 actcore_registration::Registration<quantize_cuda, dequantize_cuda, pack_bits_cuda,
-                                   unpack_bits_cuda, hash_uniform_cuda>
+                                   unpack_bits_cuda, hash_uniform_cuda, masked_quantize_cuda,
+                                   masked_dequantize_cuda, apply_mask_cuda>
     registration{c10::DispatchKey::CUDA};
 
 }  // namespace

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-OPCHECK_CASES = 9
+OPCHECK_CASES = 14
 
 
 def assert_same(native: torch.Tensor, reference: torch.Tensor, what: str) -> None:
@@ -91,6 +91,9 @@ def opcheck_cases(device: str) -> list[tuple[object, tuple]]:
     values = torch.randint(0, 8, (37,), dtype=torch.uint8, device=device)
     nchw = torch.randn(2, 3, 4, 5, device=device).to(memory_format=torch.channels_last)
     arange = torch.arange(100, device=device)
+    relu = torch.relu(torch.randn(3, 70, device=device))
+    mask = torch.ops.actcore.pack_bits(relu.ne(0).reshape(-1).view(torch.uint8), 1)
+    m_payload, m_lo, m_step = torch.ops.actcore.masked_quantize(relu, mask, 2, 16, True, 4)
     return [
         (torch.ops.actcore.quantize.default, (x, 3, 32, True, 5, True)),
         (torch.ops.actcore.quantize.default, (x.half().t(), 2, 8, False, 0, False)),
@@ -101,6 +104,14 @@ def opcheck_cases(device: str) -> list[tuple[object, tuple]]:
         (torch.ops.actcore.unpack_bits.default, (torch.ops.actcore.pack_bits(values, 3), 3, 37)),
         (torch.ops.actcore.hash_uniform.default, (arange, 17)),
         (torch.ops.actcore.hash_uniform.default, (arange.view(10, 10).t(), 3)),
+        (torch.ops.actcore.masked_quantize.default, (relu, mask, 2, 16, True, 4)),
+        (torch.ops.actcore.masked_quantize.default, (relu.t().bfloat16(), mask, 3, 8, False, 0)),
+        (
+            torch.ops.actcore.masked_dequantize.default,
+            (m_payload, m_lo, m_step, mask, 2, 16, [3, 70], torch.float32),
+        ),
+        (torch.ops.actcore.apply_mask.default, (x, mask)),
+        (torch.ops.actcore.apply_mask.default, (x.t().double(), mask)),
     ]
 
 
@@ -122,3 +133,35 @@ def check_errors_are_clear(device: str) -> None:
         torch.ops.actcore.unpack_bits.default(
             torch.zeros(2, dtype=torch.uint8, device=device), 2, 9
         )
+    short = torch.zeros(3, dtype=torch.uint8, device=device)  # 24 bits for 32 elements
+    with pytest.raises(RuntimeError, match="over 32 elements takes 4 bytes, got 3"):
+        torch.ops.actcore.masked_quantize.default(x, short, 2, 8, False, 0)
+    with pytest.raises(RuntimeError, match="packed 1-bit mask"):
+        torch.ops.actcore.apply_mask.default(x, short.bool())
+    with pytest.raises(RuntimeError, match="over 32 elements takes 4 bytes"):
+        torch.ops.actcore.masked_dequantize.default(
+            payload, lo, step, short, 2, 8, [4, 8], torch.float32
+        )
+
+
+def masked_cases(dtype: torch.dtype) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, CPU tensor, bool mask of its nonzeros) cases for the masked ops: densities,
+    shapes around the 64-element mask words, layouts and special values."""
+    g = torch.Generator().manual_seed(99)
+    cases = []
+    shapes = [(1,), (37,), (64,), (65,), (3, 70), (2, 3, 129), (4, 16, 9, 11), (2, 3000)]
+    for shape in shapes:
+        for density in (0.0, 0.05, 0.5, 1.0):
+            x = torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+            keep = torch.rand(*shape, generator=g) < density
+            cases.append((f"{shape}@{density}", torch.where(keep, x, 0), keep))
+    special = torch.relu(torch.randn(4, 100, generator=g, dtype=torch.float64)).to(dtype)
+    special[0, :4] = torch.tensor([float("nan"), float("inf"), torch.finfo(dtype).max, 1e-3])
+    cases.append(("special", special, special != 0))
+    wide = torch.relu(torch.randn(3, 5000, generator=g, dtype=torch.float64) * 1e3).to(dtype)
+    cases.append(("wide", wide, wide != 0))
+    nchw = torch.relu(torch.randn(2, 8, 6, 5, generator=g)).to(dtype)
+    last = nchw.to(memory_format=torch.channels_last)
+    cases.append(("channels-last", last, last != 0))
+    cases.append(("transposed", nchw[0, 0].t(), nchw[0, 0].t() != 0))
+    return cases

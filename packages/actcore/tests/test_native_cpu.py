@@ -34,12 +34,13 @@ from native_cases import (
     assert_same,
     bit_exact_inputs,
     check_errors_are_clear,
+    masked_cases,
     opcheck_cases,
 )
 
 from actcore import ops
 from actcore.native import build, cli, loader
-from actcore.ops import bitpack, noise, quantization
+from actcore.ops import bitpack, masked, noise, quantization
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 GROUP_SIZES = (8, 24, 256, 512)
@@ -147,6 +148,54 @@ def test_pack_and_unpack_bits_are_bit_exact(native_cpu, bits):
             bitpack.pack_bits_reference(odd[start:].clone(), bits),
             f"pack at offset {start}",
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masked_ops_are_bit_exact(native_cpu, dtype):
+    """masked_quantize / masked_dequantize / apply_mask against their references, and
+    masked_quantize against quantize of the selected values (what zero-value stored before)."""
+    for name, x, keep in masked_cases(dtype):
+        mask = ops.pack_mask(keep)
+        for bits in (1, 2, 3, 8):
+            for group_size in (8, 24, 256, 2048):
+                for stochastic in (True, False):
+                    args = (bits, group_size, stochastic, SEED if stochastic else 0)
+                    what = f"{name} {dtype} bits={bits} G={group_size} stochastic={stochastic}"
+                    got = torch.ops.actcore.masked_quantize.default(x, mask, *args)
+                    ref = masked.masked_quantize_reference(x, mask, *args)
+                    plain = quantization.quantize_reference(x[keep], *args, False)
+                    for a, b, c, part in zip(
+                        got, ref, plain, ("payload", "lo", "step"), strict=True
+                    ):
+                        assert_same(a, b, f"{part} of {what}")
+                        assert_same(a, c, f"{part} of {what} (vs quantize of x[mask])")
+                    shape = list(x.shape)
+                    y = torch.ops.actcore.masked_dequantize.default(
+                        *got, mask, bits, group_size, shape, dtype
+                    )
+                    ry = masked.masked_dequantize_reference(
+                        *ref, mask, bits, group_size, shape, dtype
+                    )
+                    assert_same(y, ry, f"masked_dequantize of {what}")
+        grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+        grad.view(-1)[:3] = float("nan")
+        out = torch.ops.actcore.apply_mask.default(grad, mask)
+        assert_same(out, masked.apply_mask_reference(grad, mask), f"apply_mask of {name}")
+        assert_same(out, torch.where(keep, grad, 0), f"apply_mask of {name} vs where")
+
+
+def test_masked_ops_ignore_the_padding_bits_of_the_mask(native_cpu):
+    """Bits past the last element (in its byte, or extra bytes) select nothing."""
+    x = torch.relu(torch.randn(77, generator=torch.Generator().manual_seed(2)))
+    mask = torch.cat([ops.pack_mask(x != 0), torch.full((9,), 255, dtype=torch.uint8)])
+    mask[9] |= 0xE0  # element 77..79: past the end
+    got = torch.ops.actcore.masked_quantize.default(x, mask, 3, 8, True, 1)
+    ref = quantization.quantize_reference(x[x != 0], 3, 8, True, 1, False)
+    for a, b in zip(got, ref, strict=True):
+        assert_same(a, b, "masked_quantize with padding bits")
+    y = torch.ops.actcore.masked_dequantize.default(*got, mask, 3, 8, [77], x.dtype)
+    assert_same(y, masked.masked_dequantize_reference(*ref, mask, 3, 8, [77], x.dtype), "back")
+    assert_same(torch.ops.actcore.apply_mask.default(x, mask), x, "apply_mask")
 
 
 def test_masks_round_trip(native_cpu):

@@ -46,7 +46,7 @@ import torch
 EXTENSION_NAME = "actcore_native"
 SOURCES = ("kernels.cu", "ops.cpp")
 HEADERS = ("actcore_native.h", "op_args.h", "op_checks.h", "op_registration.h")
-ABI_VERSION = 1  # csrc/actcore_native.h: kAbiVersion
+ABI_VERSION = 2  # csrc/actcore_native.h: kAbiVersion
 DEFAULT_ARCH = "9.0"
 # IEEE behaviour the bit-exactness relies on (see csrc/kernels.cu): no fused multiply-add,
 # denormals kept, correctly rounded division and square root.
@@ -55,7 +55,7 @@ CXX_FLAGS = ("-O2",)
 CPU_EXTENSION_NAME = "actcore_native_cpu"
 CPU_SOURCES = ("cpu_kernels.cpp",)
 CPU_HEADERS = ("op_args.h", "op_checks.h", "op_registration.h")
-CPU_ABI_VERSION = 1  # csrc/cpu_kernels.cpp: kAbiVersion
+CPU_ABI_VERSION = 2  # csrc/cpu_kernels.cpp: kAbiVersion
 # Bit-exactness with the reference: no fused multiply-add (GCC contracts by default), no
 # fast-math. The hot loops pick their ISA (baseline or AVX2) at run time: no -march flag,
 # so a cached library runs on any CPU of the architecture.

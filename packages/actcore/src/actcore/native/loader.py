@@ -30,7 +30,16 @@ from typing import Any
 
 import torch
 
-OPS = ("quantize", "dequantize", "pack_bits", "unpack_bits", "hash_uniform")
+OPS = (
+    "quantize",
+    "dequantize",
+    "pack_bits",
+    "unpack_bits",
+    "hash_uniform",
+    "masked_quantize",
+    "masked_dequantize",
+    "apply_mask",
+)
 _OFF = {"0", "off", "false", "no"}
 _ON = {"1", "on", "true", "yes"}
 CPU_DEFAULT_ON = True  # the CPU kernels load on the first op on a CPU tensor

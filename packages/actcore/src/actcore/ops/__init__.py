@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from .api import (
     FLOAT_DTYPES,
+    apply_mask,
     dequantize,
     hash_uniform,
+    masked_dequantize,
+    masked_quantize,
     new_seed,
     pack_bits,
     pack_mask,
@@ -23,8 +26,11 @@ from .packed import Packed
 __all__ = [
     "FLOAT_DTYPES",
     "Packed",
+    "apply_mask",
     "dequantize",
     "hash_uniform",
+    "masked_dequantize",
+    "masked_quantize",
     "new_seed",
     "pack_bits",
     "pack_mask",

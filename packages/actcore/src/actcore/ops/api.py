@@ -122,6 +122,70 @@ def dequantize(packed: Packed) -> torch.Tensor:
     )
 
 
+def _check_mask(mask: object, numel: int, what: str) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.uint8:
+        got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise TypeError(f"{what} takes a packed 1-bit mask (uint8, from pack_mask), got {got}")
+    if mask.numel() < -(-numel // 8):
+        raise ValueError(
+            f"{what}: a mask over {numel} elements takes {-(-numel // 8)} bytes, got {mask.numel()}"
+        )
+    return mask
+
+
+def masked_quantize(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    bits: int,
+    *,
+    group_size: int = 256,
+    stochastic: bool = True,
+    seed: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize only the elements of ``x`` that ``mask`` (``pack_mask`` of a bool tensor of
+    ``x``'s shape) selects: ``(payload, lo, step)``, exactly what
+    ``quantize(x.reshape(-1)[m], bits, per_sample=False, ...)`` holds for the unpacked ``m``,
+    without searching ``x`` (the mask's bits say where the values are).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"masked_quantize expects a torch.Tensor, got {type(x).__name__}")
+    check_float_dtype(x.dtype, "masked_quantize")
+    _check_mask(mask, x.numel(), "masked_quantize")
+    bits = check_bits(bits)
+    group_size = check_group_size(group_size)
+    seed = check_seed(seed) if stochastic else 0
+    return library.masked_quantize(
+        x.detach(), mask.detach(), bits, group_size, bool(stochastic), seed
+    )
+
+
+def masked_dequantize(
+    payload: torch.Tensor,
+    lo: torch.Tensor,
+    step: torch.Tensor,
+    mask: torch.Tensor,
+    bits: int,
+    group_size: int,
+    shape: Sequence[int] | torch.Size,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The tensor :func:`masked_quantize` stood for: +0 where ``mask`` is clear, the restored
+    values in order where it is set."""
+    check_float_dtype(dtype, "masked_dequantize")
+    _check_mask(mask, torch.Size(shape).numel(), "masked_dequantize")
+    return library.masked_dequantize(
+        payload, lo, step, mask, check_bits(bits), check_group_size(group_size), list(shape), dtype
+    )
+
+
+def apply_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` where the packed 1-bit ``mask`` is set and +0 elsewhere: ``torch.where(m, x, 0)``
+    for the unpacked ``m``, read straight from the bits (contiguous result)."""
+    check_float_dtype(x.dtype, "apply_mask")
+    _check_mask(mask, x.numel(), "apply_mask")
+    return library.apply_mask(x, mask)
+
+
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 values below ``2**bits`` into ``ceil(n / 8) * bits`` bytes (row-major)."""
     bits = check_bits(bits)

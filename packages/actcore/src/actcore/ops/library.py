@@ -16,6 +16,11 @@ import torch
 
 from ..native import loader as _native
 from .bitpack import pack_bits_reference, packed_nbytes, unpack_bits_reference
+from .masked import (
+    apply_mask_reference,
+    masked_dequantize_reference,
+    masked_quantize_reference,
+)
 from .noise import uniform_noise
 from .quantization import (
     META_DTYPE,
@@ -117,3 +122,66 @@ def hash_uniform(index: torch.Tensor, seed: int) -> torch.Tensor:
 @hash_uniform.register_fake
 def _hash_uniform_fake(index, seed):
     return torch.empty_like(index, dtype=torch.float32)
+
+
+@torch.library.custom_op("actcore::masked_quantize", mutates_args=())
+def masked_quantize(
+    x: torch.Tensor, mask: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int
+) -> _Tensors3:
+    """``quantize`` of the elements of ``x`` a packed 1-bit mask selects, as one row."""
+    args = (x, mask, bits, group_size, stochastic, seed)
+    if x.is_cuda and _native.ready("masked_quantize"):
+        return _native.call("masked_quantize", *args)
+    if x.device.type == "cpu" and _native.cpu_ready("masked_quantize"):
+        return _native.call("masked_quantize", *args)
+    return masked_quantize_reference(*args)
+
+
+@masked_quantize.register_fake
+def _masked_quantize_fake(x, mask, bits, group_size, stochastic, seed) -> _Tensors3:
+    # sizes from the mask's set bits (count): ceil(count / 8) * bits payload bytes and
+    # ceil(count / group_size) groups, each its own data-dependent size
+    ctx = torch.library.get_ctx()
+    payload = x.new_empty((1, ctx.new_dynamic_size()), dtype=torch.uint8)
+    lo = x.new_empty((1, ctx.new_dynamic_size()), dtype=META_DTYPE)
+    return payload, lo, torch.empty_like(lo)
+
+
+@torch.library.custom_op("actcore::masked_dequantize", mutates_args=())
+def masked_dequantize(
+    payload: torch.Tensor,
+    lo: torch.Tensor,
+    step: torch.Tensor,
+    mask: torch.Tensor,
+    bits: int,
+    group_size: int,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Inverse of ``masked_quantize``: zeros of ``shape`` with the values at the mask's bits."""
+    args = (payload, lo, step, mask, bits, group_size, shape, dtype)
+    if payload.is_cuda and _native.ready("masked_dequantize"):
+        return _native.call("masked_dequantize", *args)
+    if payload.device.type == "cpu" and _native.cpu_ready("masked_dequantize"):
+        return _native.call("masked_dequantize", *args)
+    return masked_dequantize_reference(*args)
+
+
+@masked_dequantize.register_fake
+def _masked_dequantize_fake(payload, lo, step, mask, bits, group_size, shape, dtype):
+    return payload.new_empty(tuple(shape), dtype=dtype)
+
+
+@torch.library.custom_op("actcore::apply_mask", mutates_args=())
+def apply_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` where a packed 1-bit mask is set, +0 elsewhere (contiguous)."""
+    if x.is_cuda and _native.ready("apply_mask"):
+        return _native.call("apply_mask", x, mask)
+    if x.device.type == "cpu" and _native.cpu_ready("apply_mask"):
+        return _native.call("apply_mask", x, mask)
+    return apply_mask_reference(x, mask)
+
+
+@apply_mask.register_fake
+def _apply_mask_fake(x, mask):
+    return x.new_empty(x.shape)
