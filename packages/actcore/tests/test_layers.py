@@ -400,3 +400,38 @@ def test_torch_compile_same_loss_as_eager(level: str) -> None:
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
         else:
             assert a.grad.shape == b.grad.shape and torch.isfinite(a.grad).all()
+
+
+def test_zero_value_packs_what_quantizing_the_nonzeros_packed() -> None:
+    """The fused masked quantizer stores the bytes ``Quantize(x[x != 0])`` stored."""
+    from actcore.compressors import Quantize, ZeroValue
+
+    x = torch.relu(torch.randn(4, 8, 9, 9, generator=torch.Generator().manual_seed(4)))
+    inner = Quantize(2, 64, per_sample=False)
+    ops.reset_seed_stream()
+    tensors, meta = ZeroValue(ops.pack_mask(x != 0), inner).pack(x)
+    ops.reset_seed_stream()
+    plain, _ = inner.pack(x[x != 0])
+    assert all(torch.equal(a, b) for a, b in zip(tensors[1:], plain, strict=True))
+    y = ZeroValue(tensors[0], inner).unpack(tensors, meta)
+    assert torch.equal(y == 0, x == 0) and y.shape == x.shape
+
+
+def test_batch_norm_backward_from_the_normalized_input() -> None:
+    """Training-mode batch-norm backward from x_hat (mean 0, invstd 1, weight * invstd) is the
+    backward from x: what the compressed layer hands aten instead of rebuilding x."""
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, 5, 5, generator=g, dtype=torch.float64) * 3 + 1
+    w, b = torch.randn(6, generator=g, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
+    grad = torch.randn(4, 6, 5, 5, generator=g, dtype=torch.float64)
+    _, mean, invstd = aten.native_batch_norm(x, w, b, None, None, True, 0.1, 1e-5)
+    x_hat = (x - mean.view(1, -1, 1, 1)) * invstd.view(1, -1, 1, 1)
+    mask = [True, True, True]
+    ref = aten.native_batch_norm_backward(grad, x, w, None, None, mean, invstd, True, 1e-5, mask)
+    ones, zeros = torch.ones_like(invstd), torch.zeros_like(mean)
+    got = aten.native_batch_norm_backward(
+        grad, x_hat, w * invstd, None, None, zeros, ones, True, 1e-5, mask
+    )
+    for a, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)

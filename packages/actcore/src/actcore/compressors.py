@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -101,13 +101,19 @@ class PerSampleQuantize(Compressor):
     counts: tuple[tuple[int, int], ...]
     group_size: int = 256
     stochastic: bool = True
+    # sample_range_weights of the tensor to pack, when the caller has it already (the same
+    # result, one pass less); not part of the compressor's identity
+    weights: torch.Tensor | None = field(default=None, compare=False, repr=False)
     name = "per_sample_quantize"
     lossy = True
 
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         if sum(c for _, c in self.counts) != x.shape[0]:
             raise ValueError(f"counts {self.counts} do not cover a batch of {x.shape[0]}")
-        order = torch.argsort(sample_range_weights(x, self.group_size), descending=True)
+        weights = self.weights
+        if weights is None:
+            weights = sample_range_weights(x, self.group_size)
+        order = torch.argsort(weights, descending=True)
         ranked = x.detach().index_select(0, order)
         tensors: list[torch.Tensor] = [order.to(torch.int32)]
         metas = []
@@ -139,12 +145,19 @@ class PerSampleQuantize(Compressor):
         return (self.name, self.counts, self.group_size, self.stochastic)
 
 
+_FUSED = "masked"  # ZeroValue meta tag: packed by ops.masked_quantize
+
+
 @dataclass(frozen=True)
 class ZeroValue(Compressor):
     """A tensor whose zeros are exactly a known 1-bit mask's zeros (a ReLU output).
 
     Keeps the mask tensor (shared with whoever saved it first, so it costs nothing twice)
     and the nonzero values only, compressed by ``inner`` (AC-GC's zero-value compression).
+    With a one-row :class:`Quantize` as ``inner`` (what every route uses) the values are
+    read and written at the mask's bits by :func:`actcore.ops.masked_quantize` and
+    :func:`actcore.ops.masked_dequantize`, never searched for: the same bytes as quantizing
+    ``x[x != 0]``. A ``seed`` attribute of ``inner`` (``SeededQuantize``) fixes the rounding.
     """
 
     mask: torch.Tensor  # pack_mask(x != 0), already saved by the layer that made x
@@ -153,10 +166,21 @@ class ZeroValue(Compressor):
     lossy = True
 
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
-        values, meta = self.inner.pack(x[x != 0])
+        q = self.inner
+        if isinstance(q, Quantize) and not q.per_sample:
+            seed = getattr(q, "seed", None)
+            p = ops.masked_quantize(
+                x, self.mask, q.bits, group_size=q.group_size, stochastic=q.stochastic, seed=seed
+            )
+            return (self.mask, *p), (_FUSED, x.shape, x.dtype, q.bits, q.group_size)
+        values, meta = q.pack(x[x != 0])
         return (self.mask, *values), (x.shape, meta)
 
     def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
+        if meta[0] == _FUSED:
+            _, shape, dtype, bits, group_size = meta
+            mask, payload, lo, step = tensors
+            return ops.masked_dequantize(payload, lo, step, mask, bits, group_size, shape, dtype)
         shape, inner_meta = meta
         values = self.inner.unpack(tensors[1:], inner_meta)
         out = values.new_zeros(shape)

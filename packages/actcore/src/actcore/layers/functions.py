@@ -196,6 +196,11 @@ class ConvFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x_for_shape = x if x is not None else ctx.input_meta.tensor()
         chunks = _micro_batches(ctx.layer, x_for_shape) if need_w and x is not None else 1
+        if chunks == 1:  # the op itself: no split, no cat or sum of one part
+            gx, gw, gb = aten.convolution_backward(
+                grad, x_for_shape, weight, ctx.bias_sizes, *ctx.args, [need_x, need_w, need_b]
+            )
+            return gx, gw, gb, None, None, None
         results = []
         for g_part, x_part in zip(grad.chunk(chunks), x_for_shape.chunk(chunks), strict=True):
             results.append(
@@ -270,7 +275,7 @@ class BatchNormFunction(torch.autograd.Function):
             else:  # eval statistics: what the backward op uses in that case
                 centre, scale = running_mean, (running_var + eps).rsqrt()
             saved_x, how, ctx.normalized = _norm_input(
-                layer, x, lambda t: (t - _stat_view(centre, t, 1)) * _stat_view(scale, t, 1)
+                layer, x, lambda t: (t - _stat_view(centre, t, 1)).mul_(_stat_view(scale, t, 1))
             )
             ctx.stats = (centre, scale) if ctx.normalized else None
         stash(
@@ -291,11 +296,22 @@ class BatchNormFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, running_mean, running_var, mean, invstd = unstash(ctx)
         observe(ctx, grad, norm=True)
+        mask = list(ctx.needs_input_grad[:3])
         if ctx.normalized:
             refuse_double_backward(ctx, layer_name(ctx.act_layer))
             centre, scale = ctx.stats
+            if ctx.training and x.dtype == grad.dtype:
+                # The batch-statistics backward reads x only as x_hat = (x - mean) * invstd:
+                # hand it x_hat itself with mean 0 and invstd 1, and the weight times invstd
+                # (gx = weight * invstd * (...)): the gradients of x rebuilt from x_hat, without
+                # rebuilding it (gw and gb do not depend on the weight handed over).
+                ones = torch.ones_like(scale)
+                w = scale if weight is None else weight * scale
+                gx, gw, gb = aten.native_batch_norm_backward(
+                    grad, x, w, None, None, torch.zeros_like(centre), ones, True, ctx.eps, mask
+                )
+                return gx, gw, gb, None, None, None, None, None, None
             x = (x / _stat_view(scale, x, 1) + _stat_view(centre, x, 1)).to(ctx.input_meta.dtype)
-        mask = list(ctx.needs_input_grad[:3])
         gx, gw, gb = aten.native_batch_norm_backward(
             grad,
             x if x is not None else ctx.input_meta.tensor(),
@@ -561,10 +577,13 @@ class MaskedActivationFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (packed,) = unstash(ctx)
-        mask = ops.unpack_mask(packed, ctx.shape)
         if ctx.kind == "leaky_relu":
+            mask = ops.unpack_mask(packed, ctx.shape)
             return torch.where(mask, grad, grad * ctx.param), None, None, None, None
-        return torch.where(mask, grad, 0), None, None, None, None
+        # where(mask, grad, 0) read straight from the bits (contiguous, as grad mostly is)
+        if torch.is_grad_enabled():  # a create_graph backward: differentiable ops
+            return torch.where(ops.unpack_mask(packed, ctx.shape), grad, 0), None, None, None, None
+        return ops.apply_mask(grad, packed), None, None, None, None
 
 
 def note_output_mask(out: torch.Tensor) -> torch.Tensor:
