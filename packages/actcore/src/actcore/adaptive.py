@@ -39,7 +39,12 @@ sample and layer. Without an index nothing of this runs.
 
 Steps. A step is one backward pass through the model's Q-layers (a module called twice in
 one forward still counts once); the plan is recomputed at the end of every ``interval``-th.
-With gradient accumulation every micro-batch's backward is a step.
+With gradient accumulation every micro-batch's backward is a step. Statistics are taken on
+every step up to the first replan, then only on the last ``window`` steps before each replan
+(the exponential averages run over those): a step outside the window does no statistics
+work at all, and a layer whose plan gives all samples one width quantizes without ranking.
+Range weights are read off the quantizer's own per-group steps where no ranking needs them
+first, and the nonzeros of a zero-value tensor are counted by its mask, not searched for.
 
 Faults. A statistic whose new value is not finite (an fp16 step that overflows and that a
 ``GradScaler`` then skips, one bad batch) is not taken into the averages: they keep their
@@ -73,6 +78,8 @@ from .compressors import (
     sample_range_weights,
 )
 from .config import config
+
+_DEFAULT_WINDOW = 4
 
 log = logging.getLogger("actcore")
 
@@ -132,6 +139,46 @@ class ScoredPerSampleQuantize(PerSampleQuantize):
 
     def __hash__(self) -> int:
         return hash(self.key())
+
+
+@dataclass(frozen=True, eq=False)
+class _Recording(Compressor):
+    """``inner``, handing what it packed to :meth:`AdaptiveBits._record` (statistics from
+    the quantizer's own per-group steps, no pass over the tensor of its own). Packs,
+    unpacks and compares as ``inner``."""
+
+    inner: Compressor
+    scheme: AdaptiveBits
+    stats: _LayerStats
+    samples: int
+    elems: float  # elements stored per sample (zero-value: counted from the payload)
+    scale: torch.Tensor | None = None  # per-sample gradient weights (set_sample_index)
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.inner.name
+
+    @property
+    def lossy(self) -> bool:  # type: ignore[override]
+        return self.inner.lossy
+
+    def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
+        tensors, meta = self.inner.pack(x)
+        self.scheme._record(self, tensors)
+        return tensors, meta
+
+    def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
+        return self.inner.unpack(tensors, meta)
+
+    def key(self) -> tuple:
+        return self.inner.key()
+
+    def __eq__(self, other: object) -> bool:
+        inner = other.inner if isinstance(other, _Recording) else other
+        return self.inner == inner
+
+    def __hash__(self) -> int:
+        return hash(self.inner)
 
 
 def _ema(old: torch.Tensor | None, new: torch.Tensor, momentum: float) -> torch.Tensor:
@@ -198,6 +245,7 @@ class AdaptiveBits:
         max_bits: int = 8,
         num_samples: int | None = None,
         sample_momentum: float = 0.0,
+        window: int = _DEFAULT_WINDOW,
     ) -> None:
         if not 1 <= min_bits <= budget <= max_bits <= 8:
             raise ValueError(
@@ -206,6 +254,8 @@ class AdaptiveBits:
             )
         if interval < 1:
             raise ValueError(f"interval must be a positive int, got {interval}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int, got {window!r}")
         if num_samples is not None and num_samples < 1:
             raise ValueError(f"num_samples must be a positive int or None, got {num_samples}")
         if not 0.0 <= sample_momentum < 1.0:
@@ -215,6 +265,7 @@ class AdaptiveBits:
         self._index_on: dict[torch.device, torch.Tensor] = {}  # _index on each device
         self._index_end = 0  # 1 + the largest index set so far
         self.budget, self.interval, self.momentum = float(budget), interval, momentum
+        self.window = window
         self.min_bits, self.max_bits = min_bits, max_bits
         self.steps = 0
         self.layers: dict[str, _LayerStats] = {}
@@ -308,6 +359,13 @@ class AdaptiveBits:
 
     # --- the engine's hooks ----------------------------------------------------------------
 
+    def collecting(self) -> bool:
+        """Whether the step now running takes statistics: every step up to the first replan,
+        then the last ``window`` steps before each replan."""
+        return (
+            self.steps < self.interval or self.steps % self.interval >= self.interval - self.window
+        )
+
     def compressor(
         self, layer: Any, role: str, x: torch.Tensor, bits: int, mask: torch.Tensor | None
     ) -> Compressor | None:
@@ -318,31 +376,65 @@ class AdaptiveBits:
         stats = self.layers.setdefault(name, _LayerStats())
         gs = config.group_size
         n = x.shape[0]
-        with torch.no_grad():
+        collect = self.collecting()
+        bits = self.prior_bits(layer, bits)
+        with torch.no_grad():  # (keeps the layer's table of sample gradients, when opted in)
             scale = self._sample_scale(stats, name, n, x.device)
+        if mask is not None:
+            stats.zero_value = True
+            q = Quantize(self._layer_bits(stats, bits), gs, per_sample=False)
+            zero_value = ZeroValue(mask, q)
+            return _Recording(zero_value, self, stats, n, 0.0) if collect else zero_value
+        stats.zero_value = False
+        elems = float(x[0].numel())
+        counts = self._counts(stats, n, bits)
+        if len(counts) == 1:  # one width for every sample: nothing to rank
+            plain = Quantize(counts[0][0], gs, per_sample=True, stochastic=config.stochastic)
+            return _Recording(plain, self, stats, n, elems, scale) if collect else plain
+        with torch.no_grad():
             weights = sample_range_weights(x, gs)
             if scale is not None:
                 weights = weights * scale
-            profile = weights.sort(descending=True).values
-            stats.profile, stats.profile_seen, taken = _finite_ema(
-                stats.profile, stats.profile_seen, profile, self.momentum
-            )
-            self._count_skip(taken)
-            if mask is not None:
-                stats.zero_value = True
-                nonzero = x.count_nonzero().float() / n
-                stats.elems = _ema(stats.elems, nonzero, self.momentum)
-            else:
-                stats.zero_value = False
-                stats.elems = _ema(stats.elems, torch.tensor(float(x[0].numel())), self.momentum)
-        bits = self.prior_bits(layer, bits)
-        if mask is not None:
-            layer_bits = self._layer_bits(stats, bits)
-            return ZeroValue(mask, Quantize(layer_bits, gs, per_sample=False))
-        counts = self._counts(stats, n, bits)
+            if collect:
+                self._take(stats, weights.sort(descending=True).values, elems)
         if scale is not None:
             return ScoredPerSampleQuantize(counts, gs, config.stochastic, scores=weights)
-        return PerSampleQuantize(counts, gs, config.stochastic)
+        return PerSampleQuantize(counts, gs, config.stochastic, weights=weights)
+
+    def _take(self, stats: _LayerStats, profile: torch.Tensor, elems: float) -> None:
+        """Average a step's range-weight profile and elements per sample into ``stats``."""
+        stats.profile, stats.profile_seen, taken = _finite_ema(
+            stats.profile, stats.profile_seen, profile, self.momentum
+        )
+        self._count_skip(taken)
+        stats.elems = _ema(stats.elems, torch.tensor(elems), self.momentum)
+
+    def _record(self, rec: _Recording, tensors: Tensors) -> None:
+        """Statistics of a :class:`_Recording` pack, from its per-group steps.
+
+        Stochastic rounding of a group of range ``r`` at ``b`` bits has step ``r / (2^b - 1)``
+        (up to its rounding to bfloat16), so ``group_size * (step * (2^b - 1))^2`` is the
+        group's term of :func:`sample_range_weights`.
+        """
+        inner = rec.inner
+        with torch.no_grad():
+            if isinstance(inner, ZeroValue):  # (mask, payload, lo, step): one row, all samples
+                q = inner.inner
+                assert isinstance(q, Quantize)
+                payload, step = tensors[1], tensors[3]
+                levels = float(2**q.bits - 1)
+                total = step.float().square().sum() * (q.group_size * levels**2)
+                profile = (total / rec.samples).reshape(1).expand(rec.samples)
+                stored = payload.shape[-1] // q.bits * 8  # the nonzeros (to a multiple of 8)
+                self._take(rec.stats, profile, stored / rec.samples)
+                return
+            assert isinstance(inner, Quantize)
+            step = tensors[2]
+            levels = float(2**inner.bits - 1)
+            weights = step.float().square().sum(1) * (inner.group_size * levels**2)
+            if rec.scale is not None:
+                weights = weights * rec.scale
+            self._take(rec.stats, weights.sort(descending=True).values, rec.elems)
 
     def observe(
         self, layer: Any, grad: torch.Tensor, kernel: int, channel_dim: int, norm: bool
@@ -354,24 +446,35 @@ class AdaptiveBits:
         stats = self.layers.setdefault(name, _LayerStats())
         stats.norm = norm
         self._note_backward()
+        index, table = self._device_index(grad.device), stats.grads
         n = grad.shape[0]
+        per_sample_table = (
+            index is not None
+            and table is not None
+            and index.shape[0] == n
+            and table.device == grad.device
+        )
+        collect = self.collecting()
+        if not (collect or per_sample_table):
+            return
         per_sample = grad.numel() // n
         positions = max(1, per_sample // grad.shape[channel_dim])
         fan = 1.0 / per_sample if norm else kernel / positions
         with torch.no_grad():
-            square = grad.detach().float().square()
-            stats.sens, stats.sens_seen, taken = _finite_ema(
-                stats.sens, stats.sens_seen, square.sum() * (fan / n), self.momentum
-            )
-            self._count_skip(taken)
-            index, table = self._device_index(grad.device), stats.grads
-            if (
-                index is not None
-                and table is not None
-                and index.shape[0] == n
-                and table.device == grad.device
-            ):  # the batch's samples' squared gradient norms into the layer's table
-                norms = square.reshape(n, -1).sum(1)
+            g = grad.detach()
+            if per_sample_table:  # squared norms per sample (one pass), then their sum
+                norms = torch.linalg.vector_norm(g.reshape(n, -1), dim=1, dtype=torch.float32)
+                norms = norms.square()
+                total = norms.sum()
+            else:
+                total = torch.linalg.vector_norm(g, dtype=torch.float32).square()
+            if collect:
+                stats.sens, stats.sens_seen, taken = _finite_ema(
+                    stats.sens, stats.sens_seen, total * (fan / n), self.momentum
+                )
+                self._count_skip(taken)
+            if per_sample_table:  # the batch's samples' squared gradient norms into the table
+                assert index is not None and table is not None
                 old = table.index_select(0, index)
                 m = self.sample_momentum
                 mixed = torch.where(old.isnan(), norms, old * m + norms * (1 - m))
@@ -546,6 +649,7 @@ class AdaptiveBits:
         return {
             "budget": self.budget,
             "interval": self.interval,
+            "window": self.window,
             "momentum": self.momentum,
             "min_bits": self.min_bits,
             "max_bits": self.max_bits,
@@ -566,6 +670,7 @@ class AdaptiveBits:
         (
             self.budget,
             self.interval,
+            self.window,
             self.momentum,
             self.min_bits,
             self.max_bits,
@@ -623,6 +728,9 @@ def _checked_state(state: Any) -> tuple[tuple, dict[str, _LayerStats]]:
     interval = _number(state, "interval", int)
     if interval < 1:
         raise ValueError(f"AdaptiveBits state interval must be a positive int, got {interval}")
+    window = _number(state, "window", int, _DEFAULT_WINDOW)
+    if window < 1:
+        raise ValueError(f"AdaptiveBits state window must be a positive int, got {window}")
     momentum = _number(state, "momentum", float)
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"AdaptiveBits state momentum must be in [0, 1), got {momentum}")
@@ -650,7 +758,17 @@ def _checked_state(state: Any) -> tuple[tuple, dict[str, _LayerStats]]:
         if not isinstance(entry, dict):
             raise TypeError(f"layer {name!r}: entry must be a dict, got {type(entry).__name__}")
         layers[name] = _checked_layer(str(name), entry, min_bits, max_bits)
-    top = (budget, interval, momentum, min_bits, max_bits, steps, num_samples, sample_momentum)
+    top = (
+        budget,
+        interval,
+        window,
+        momentum,
+        min_bits,
+        max_bits,
+        steps,
+        num_samples,
+        sample_momentum,
+    )
     return (*top, skipped), layers
 
 
