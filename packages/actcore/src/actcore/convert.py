@@ -7,10 +7,8 @@ parameters (and so optimizer state), buffers, hooks and ``state_dict`` keys stay
 from __future__ import annotations
 
 import copy
-import fnmatch
 import logging
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,10 +21,20 @@ from .layers.modules import Q_LAYERS, QLayer, unsupported_reason
 from .policies import POLICY_OPTIONS, Policy, check_iteration, make_policy
 from .rng import attach_stream
 from .scope import attach_scope, detach_scope
+from .walker import Converter, Exclude, Left, check_exclude, is_excluded, walk
+
+__all__ = [
+    "ConversionReport",
+    "Exclude",
+    "PolicyScheme",
+    "QModule",
+    "check_exclude",
+    "convert",
+    "default_fewbit_bits",
+    "is_excluded",
+]
 
 log = logging.getLogger("actcore")
-
-Exclude = str | type | Callable[[str, nn.Module], bool]
 
 
 @dataclass
@@ -44,30 +52,6 @@ class ConversionReport:
             lines.append(f"  the rest of the forward: {self.scope}")
         lines += [f"  left {name or '<root>'}: {why}" for name, why in self.left.items()]
         return "\n".join(lines)
-
-
-def is_excluded(name: str, module: nn.Module, exclude: Iterable[Exclude]) -> bool:
-    """Whether ``exclude`` (names or fnmatch patterns, types, predicates) names ``module``."""
-    for rule in exclude:
-        if isinstance(rule, str) and (fnmatch.fnmatchcase(name, rule) or name == rule):
-            return True
-        if isinstance(rule, type) and isinstance(module, rule):
-            return True
-        if callable(rule) and not isinstance(rule, type) and rule(name, module):
-            return True
-    return False
-
-
-def check_exclude(exclude: str | Iterable[Exclude]) -> tuple[Exclude, ...]:
-    """``exclude`` as a tuple of rules, or TypeError naming a rule that is none of the kinds."""
-    rules = (exclude,) if isinstance(exclude, str) else tuple(exclude)
-    for rule in rules:
-        if not (isinstance(rule, (str, type)) or callable(rule)):
-            raise TypeError(
-                "exclude takes module names (fnmatch patterns), module types or "
-                f"predicates (name, module) -> bool; got {rule!r}"
-            )
-    return rules
 
 
 _DEFAULT = object()
@@ -96,6 +80,7 @@ def convert(
     layers_only: bool = False,
     policy: str | Policy | None = None,
     seed: int | None = None,
+    converters: Sequence[Converter] = (),
     **policy_options: Any,
 ) -> nn.Module:
     """Compress what ``model`` keeps for backward at ``level`` (default: ``config.level``).
@@ -128,6 +113,9 @@ def convert(
     The model's ``act_policy`` (a :class:`PolicyScheme`) then offers ``iterate(backprop)``
     and ``state_dict()`` as :class:`actcore.Controller` does.
 
+    ``converters`` (for adapters): tried before the Q-layer swap on every module that is not
+    excluded (see :func:`actcore.walker.walk`).
+
     ``seed``: of the model's own stream of rounding seeds (``model.act_rng``, see
     :mod:`actcore.rng`; default: from torch's generator state now, without drawing from it).
     :func:`actcore.resume.state_dict` gathers it with the bit plans for a bit-exact resume.
@@ -145,72 +133,60 @@ def convert(
         from .allocator import enable_expandable_segments
 
         enable_expandable_segments()
-    exclude = check_exclude(exclude)
     if not inplace:
         model = copy.deepcopy(model)
     report = ConversionReport(spec.name)
-    excluded: dict[str, nn.Module] = {}
-    for name, module in model.named_modules():
-        if exclude and name and _excluded_here(name, module, exclude, excluded, report):
-            continue
-        if isinstance(module, QLayer):
-            module.act_level = spec.name
-            module.act_name = name  # errors name the layer
-            report.converted[name] = type(module).__name__
-            continue
-        if fewbit_target(module)[0] is not None or is_fewbit(module):
-            _swap_activation(name, module, fewbit_bits, report)
-            continue
-        target = Q_LAYERS.get(type(module))
-        if target is None:
-            if any(isinstance(module, base) for base in Q_LAYERS):
-                report.left[name] = f"a subclass of {_base_name(module)} with its own behaviour"
-            continue
-        reason = unsupported_reason(module)
-        if reason is not None:
-            report.left[name] = reason
-            warnings.warn(
-                f"actcore.convert left {name or '<root>'} unconverted: {reason}", stacklevel=2
-            )
-            continue
-        module.__class__ = target
-        module.act_level = spec.name
-        module.act_name = name
-        report.converted[name] = target.__name__
+
+    def on_excluded(name: str, module: nn.Module) -> None:
+        if isinstance(module, QLayer):  # converted before: keeps its tensors as torch does
+            module.act_level = "L0"
+
+    done = walk(
+        model,
+        [*converters, q_layer_converter(spec, fewbit_bits)],
+        exclude=exclude,
+        on_excluded=on_excluded,
+    )
+    report.converted, report.left = done.converted, done.left
     attach_stream(model, seed)
     _set_adaptive(model, spec.adaptive and scheme is None)
     _set_policy(model, scheme)
     if layers_only or not (spec.compresses or spec.swap):
         detach_scope(model)
     else:
-        attach_scope(model, spec, fewbit_bits=fewbit_bits, excluded=list(excluded.values()))
+        attach_scope(model, spec, fewbit_bits=fewbit_bits, excluded=list(done.excluded.values()))
     report.scope = None if layers_only else repr(getattr(model, "act_scope", None))
     model.act_report = report
     log.info("%s", report)
     return model
 
 
-def _excluded_here(
-    name: str,
-    module: nn.Module,
-    rules: tuple[Exclude, ...],
-    excluded: dict[str, nn.Module],
-    report: ConversionReport,
-) -> bool:
-    """Whether ``module`` is excluded (by a rule, or inside an excluded module); records it.
+def q_layer_converter(spec: LevelSpec, fewbit_bits: int | None) -> Converter:
+    """The converter of :func:`convert`: standard layers to Q-layers at ``spec`` (and the
+    registered ones, :func:`actcore.layers.register_q_layer`), activations to their few-bit
+    forms (:func:`actcore.fewbit.convert.swap_activation`)."""
 
-    ``excluded`` collects the modules a rule named (their forward runs with the hooks
-    suspended, which covers everything inside them).
-    """
-    inside = any(name.startswith(f"{outer}.") for outer in excluded)
-    if not inside and not is_excluded(name, module, rules):
-        return False
-    if not inside:
-        excluded[name] = module
-    report.left[name] = "excluded"
-    if isinstance(module, QLayer):  # converted before: it keeps its tensors as torch does
-        module.act_level = "L0"
-    return True
+    def convert_one(name: str, module: nn.Module) -> str | Left | None:
+        if isinstance(module, QLayer):
+            module.act_level, module.act_name = spec.name, name  # errors name the layer
+            return type(module).__name__
+        if fewbit_target(module)[0] is not None or is_fewbit(module):
+            new = swap_activation(module, fewbit_bits)
+            return Left(SMOOTH_LEFT) if new is None else new
+        target = Q_LAYERS.get(type(module))
+        if target is None:
+            base = next((b for b in Q_LAYERS if isinstance(module, b)), None)
+            if base is None:
+                return None
+            return Left(f"a subclass of {base.__name__} with its own behaviour")
+        reason = unsupported_reason(module)
+        if reason is not None:
+            return Left(reason, warn=True)
+        module.__class__ = target
+        module.act_level, module.act_name = spec.name, name
+        return target.__name__
+
+    return convert_one
 
 
 def _check_model(model: Any) -> None:
@@ -224,14 +200,6 @@ def _check_model(model: Any) -> None:
             "its forward is compiled TorchScript that ignores Q-layers and saved-tensor hooks; "
             "convert the Python model first, then script or trace it if you must"
         )
-
-
-def _swap_activation(name: str, module: nn.Module, bits: int | None, report: ConversionReport):
-    new = swap_activation(module, bits)
-    if new is None:
-        report.left[name] = SMOOTH_LEFT
-    else:
-        report.converted[name] = new
 
 
 def _set_adaptive(model: nn.Module, adaptive: bool) -> None:
@@ -408,10 +376,6 @@ class _Recorded(Compressor):
 
     def key(self) -> tuple:
         return (self.name, self.stat_key, *self.inner.key())
-
-
-def _base_name(module: nn.Module) -> str:
-    return next(base.__name__ for base in Q_LAYERS if isinstance(module, base))
 
 
 def QModule(model: nn.Module) -> nn.Module:
