@@ -167,6 +167,31 @@ class ZeroValue(Compressor):
         return (self.name, id(self.mask), *self.inner.key())
 
 
+@dataclass(frozen=True, eq=False)
+class DropoutOf(Compressor):
+    """A dropout output rebuilt from the packing of its input and the dropout's 1-bit mask.
+
+    Both are held anyway (the input's packing by whoever saved it, the mask by the dropout),
+    so keeping the output this way costs nothing (attention probabilities after dropout,
+    features after dropout). ``pack`` is not used: :func:`actcore.engine.packing_of` builds
+    the tensors ``(*input packing, mask)`` and the meta ``(input meta, n, shape)``.
+    """
+
+    source: Compressor
+    p: float
+    name = "dropout_of"
+    lossy = True
+
+    def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
+        inner_meta, n, shape = meta
+        x = self.source.unpack(tuple(tensors[:n]), inner_meta)
+        keep = ops.unpack_mask(tensors[n], shape)
+        return x * keep.to(x.dtype) * (1.0 / (1.0 - self.p))
+
+    def key(self) -> tuple:
+        return (self.name, self.p, *self.source.key())
+
+
 class PrefetchQueue:
     """Swapped-out entries in pack order, so that backward can fetch ahead.
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .compressors import IDENTITY, Compressor, Quantize, Swap, Tensors, ZeroValue
+from .compressors import IDENTITY, Compressor, DropoutOf, Quantize, Swap, Tensors, ZeroValue
 from .config import LevelSpec, config, level_spec
 
 CONV = "conv"  # inputs of conv / linear layers
@@ -184,6 +184,8 @@ def _pack_once(comp: Compressor, x: torch.Tensor) -> tuple[Compressor, Tensors, 
     earlier = _live(record.get(comp.key()))
     if earlier is None and comp.lossy:
         earlier = _live(record.get(_FIRST))
+        if earlier is None:
+            earlier = _dropout_packing(record, x)
     if earlier is not None:
         return earlier
     tensors, meta = comp.pack(x)
@@ -222,9 +224,34 @@ def remember_packing(
 
 
 def packing_of(x: torch.Tensor) -> tuple[Compressor, Tensors, Any] | None:
-    """The first lossy packing of ``x`` (unchanged since) that is still held, if any."""
+    """The first lossy packing of ``x`` (unchanged since) that is still held, if any; for a
+    dropout output whose input has one, the :class:`~actcore.compressors.DropoutOf` that
+    rebuilds it from that packing and the dropout's mask."""
     record = _records.get(x)
-    return None if record is None else _live(record.get(_FIRST))
+    if record is None:
+        return None
+    found = _live(record.get(_FIRST))
+    return found if found is not None else _dropout_packing(record, x)
+
+
+def note_dropout(out: torch.Tensor, x: torch.Tensor, packed_mask: torch.Tensor, p: float) -> None:
+    """Record that ``out`` is ``x`` after dropout with keep mask ``packed_mask`` (1 bit)."""
+    _records.setdefault(out)["dropout"] = (weakref.ref(x), x._version, packed_mask, p)
+
+
+def _dropout_packing(record: dict, out: torch.Tensor) -> tuple[Compressor, Tensors, Any] | None:
+    entry = record.get("dropout")
+    if entry is None:
+        return None
+    ref, version, mask, p = entry
+    x = ref()
+    if x is None or x._version != version:
+        return None
+    source = packing_of(x)
+    if source is None:
+        return None
+    comp, tensors, meta = source
+    return DropoutOf(comp, p), (*tensors, mask), (meta, len(tensors), out.shape)
 
 
 def mask_of(x: torch.Tensor) -> torch.Tensor | None:

@@ -257,7 +257,7 @@ def _plain_float(x: Any) -> bool:
 
 def _dropout(p_index: int, train_index: int, inplace: Callable[[tuple, dict], bool]) -> _Handler:
     def handle(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-        from .layers.functions import DropoutFunction
+        from .layers.functions import DropoutFunction, note_dropout_output
 
         x = args[0] if args else kwargs.get("input")
         p = _arg(args, kwargs, p_index, "p", 0.5)
@@ -266,7 +266,9 @@ def _dropout(p_index: int, train_index: int, inplace: Callable[[tuple, dict], bo
             train = args[train_index]
         if not (_saves(x) and train and isinstance(p, (int, float)) and 0 < p < 1):
             return NotImplemented
-        return DropoutFunction.apply(x, float(p), inplace(args, kwargs), router.layer)
+        return note_dropout_output(
+            DropoutFunction.apply(x, float(p), inplace(args, kwargs), router.layer)
+        )
 
     return handle
 

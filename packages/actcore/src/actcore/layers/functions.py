@@ -8,6 +8,7 @@ backward calls the public aten backward op of that layer on the restored tensors
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from ..engine import (
     NORM,
     choose,
     layer_spec,
+    note_dropout,
     note_mask,
     observe,
     stash,
@@ -567,6 +569,19 @@ class MaskedActivationFunction(torch.autograd.Function):
         return torch.where(mask, grad, 0), None, None, None, None
 
 
+def note_dropout_output(out: torch.Tensor) -> torch.Tensor:
+    """Record what a :class:`DropoutFunction` output derives from (after ``apply``, on the
+    tensor the caller gets), so a save of it reuses its input's packing."""
+    node = out.grad_fn
+    found = getattr(node, "act_dropout", None)
+    if found is not None:
+        node.act_dropout = None
+        x = found[0]()
+        if x is not None:
+            note_dropout(out, x, *found[1:])
+    return out
+
+
 def note_output_mask(out: torch.Tensor) -> torch.Tensor:
     """Record that a ReLU output's nonzeros are its 1-bit mask's, for the next layer.
 
@@ -611,7 +626,10 @@ class DropoutFunction(torch.autograd.Function):
         out, mask = dropout_with_mask(x, p, inplace)
         if inplace:
             ctx.mark_dirty(x)
-        stash(ctx, layer, [(ops.pack_mask(mask), IDENTITY)])
+        packed = ops.pack_mask(mask)
+        stash(ctx, layer, [(packed, IDENTITY)])
+        if not inplace:  # a later save of out can rebuild it from x's packing and the mask
+            ctx.act_dropout = (weakref.ref(x), packed, p)
         return out
 
     @staticmethod

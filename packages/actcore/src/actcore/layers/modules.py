@@ -30,6 +30,7 @@ from .functions import (
     RMSNormFunction,
     SyncBatchNormFunction,
     link,
+    note_dropout_output,
     note_output_mask,
 )
 
@@ -375,7 +376,7 @@ class QDropout(QLayer, nn.Dropout):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not (self.training and 0 < self.p < 1 and needs_saving(input)):
             return super().forward(input)
-        return DropoutFunction.apply(input, self.p, self.inplace, self)
+        return note_dropout_output(DropoutFunction.apply(input, self.p, self.inplace, self))
 
 
 def _unsqueezed_1d(fn, input: torch.Tensor, *args) -> torch.Tensor:
