@@ -18,6 +18,7 @@ from .compressors import IDENTITY, Compressor, Quantize, ZeroValue
 from .config import LevelSpec, config, level_spec
 from .fewbit.convert import SMOOTH_LEFT, fewbit_target, is_fewbit, swap_activation
 from .layers.modules import Q_LAYERS, QLayer, unsupported_reason
+from .layers.recompute import recomputed_norm_class
 from .policies import POLICY_OPTIONS, Policy, check_iteration, make_policy
 from .rng import attach_stream
 from .scope import attach_scope, detach_scope
@@ -173,7 +174,7 @@ def q_layer_converter(spec: LevelSpec, fewbit_bits: int | None) -> Converter:
         if fewbit_target(module)[0] is not None or is_fewbit(module):
             new = swap_activation(module, fewbit_bits)
             return Left(SMOOTH_LEFT) if new is None else new
-        target = Q_LAYERS.get(type(module))
+        target = Q_LAYERS.get(type(module)) or recomputed_norm_class(module)
         if target is None:
             base = next((b for b in Q_LAYERS if isinstance(module, b)), None)
             if base is None:
