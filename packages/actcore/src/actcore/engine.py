@@ -57,6 +57,11 @@ class _TensorTable:
 _records = _TensorTable()
 
 
+def records() -> _TensorTable:
+    """The per-tensor records (packings, masks, what a tensor derives from)."""
+    return _records
+
+
 def note_mask(output: torch.Tensor, packed_mask: torch.Tensor) -> None:
     """Record that ``output``'s nonzeros are exactly ``packed_mask`` (a ReLU's own mask)."""
     _records.setdefault(output)["mask"] = packed_mask

@@ -20,6 +20,9 @@ in-place forms), ``F.relu6``, ``F.hardtanh``,           that the next layer save
 ``Tensor.`` forms)
 ``F.layer_norm``, ``F.group_norm``, ``F.batch_norm``,   the normalized input at the level's
 ``F.rms_norm``                                          norm bits, exact statistics
+``F.cross_entropy`` (class indices)                     the head linear's input and weight, to
+                                                        recompute the logits exactly (else the
+                                                        logits at 8 bits; :mod:`actcore.loss`)
 ``F.scaled_dot_product_attention``,                     q, k, v at the level's bits; backward
 ``F.multi_head_attention_forward``                      reruns the same kernel on them
 (``nn.MultiheadAttention``)                             (:mod:`actcore.attention`,
@@ -308,6 +311,46 @@ def _multi_head(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
     return multi_head_attention(router.layer, args, kwargs)
 
 
+# ---- the loss: neither logits nor log-probabilities kept -----------------------------------
+
+_CE_OPTIONS = ("weight", "ignore_index", "reduction", "label_smoothing")
+
+
+def _cross_entropy(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
+    from .loss import CrossEntropyFunction, linear_source
+
+    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
+    bound = {n: kwargs[n] for n in (*names, "label_smoothing") if n in kwargs}
+    bound.update(zip(names, args, strict=False))
+    if set(kwargs) - {*names, "label_smoothing"} or len(args) > len(names):
+        return NotImplemented
+    x, target = bound.get("input"), bound.get("target")
+    if router.spec.conv_bits is None or not _saves(x) or not isinstance(target, Tensor):
+        return NotImplemented
+    if bound.get("size_average") is not None or bound.get("reduce") is not None:
+        return NotImplemented
+    if x.dim() != 2 or target.dim() != 1 or target.is_floating_point():
+        return NotImplemented  # class probabilities, spatial losses: torch's own
+    options = {n: bound[n] for n in _CE_OPTIONS if n in bound}
+    return CrossEntropyFunction.apply(x, target, options, linear_source(x), router.layer)
+
+
+def _cast(router: FunctionalRouter, args: tuple, kwargs: dict, func: Any) -> Any:
+    from .loss import note_cast
+
+    out = func(*args, **kwargs)
+    x = args[0] if args else None
+    if (
+        isinstance(out, Tensor)
+        and isinstance(x, Tensor)
+        and out is not x
+        and out.shape == x.shape
+        and out.requires_grad
+    ):
+        note_cast(out, x)
+    return out
+
+
 def _table() -> dict[Any, _Handler]:
     T = torch.Tensor
     relu = _masked("relu", _no_param, _never_inplace)
@@ -351,6 +394,9 @@ def _table() -> dict[Any, _Handler]:
     for fn in (torch.tanh, T.tanh, F.tanh):
         table[fn] = _fewbit(FB.tanh, ())
     table[F.normalize] = _normalize
+    table[F.cross_entropy] = _cross_entropy
+    for cast in (torch.Tensor.float, torch.Tensor.to, torch.Tensor.type_as):
+        table[cast] = lambda router, args, kwargs, cast=cast: _cast(router, args, kwargs, cast)
     table[F.scaled_dot_product_attention] = _sdpa
     table[F.multi_head_attention_forward] = _multi_head
     rms_norm = getattr(F, "rms_norm", None)

@@ -199,6 +199,7 @@ def columns() -> list[report.Column]:
         report.Column("grad_cosine", "grad cosine", report.fmt_float(3)),
         report.Column("step_time_s", "step s", report.fmt_float(2)),
         report.Column("time_vs_fp", "time / fp", report.fmt_float(2, "x")),
+        report.Column("error", "error", justify="left"),
     ]
 
 
@@ -250,17 +251,20 @@ def main(args: argparse.Namespace) -> int:
         total = len(cfg.models) * (1 + len(cfg.levels))
         with report.progress(total, "zoo", enabled=not args.quiet) as advance:
             for name in cfg.models:
-                rows.extend(
-                    measure_model(
-                        name,
-                        cfg.levels,
-                        batch=cfg.batch,
-                        image_size=cfg.image_size,
-                        steps=cfg.steps,
-                        seed=cfg.seed,
-                        advance=advance,
+                try:
+                    rows.extend(
+                        measure_model(
+                            name,
+                            cfg.levels,
+                            batch=cfg.batch,
+                            image_size=cfg.image_size,
+                            steps=cfg.steps,
+                            seed=cfg.seed,
+                            advance=advance,
+                        )
                     )
-                )
+                except (RuntimeError, ValueError) as err:  # e.g. an input too small for it
+                    rows.append({"benchmark": "zoo", "model": name, "error": str(err)[:200]})
 
     title = f"torchvision zoo, batch {cfg.batch}: activation memory, forward, gradient, time"
     return report.run_guarded(

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.modules.utils import _ntuple
 
 from ..engine import layer_spec, needs_saving
+from ..loss import note_linear_output
 from ..op_mode import call_outside_modes
 from .functions import (
     AvgPoolFunction,
@@ -188,7 +189,9 @@ class QLinear(QLayer, nn.Linear):
         if not self._compresses(input, self.weight, self.bias):
             return super().forward(input)
         input, weight, bias = autocast_inputs(LOWER_PRECISION, input, self.weight, self.bias)
-        return LinearFunction.apply(input, weight, bias, self, link(input))
+        out = LinearFunction.apply(input, weight, bias, self, link(input))
+        note_linear_output(out, input, weight, bias)  # a cross-entropy can recompute it
+        return out
 
 
 class QBatchNormBase(QLayer):
