@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,28 +169,33 @@ class ZeroValue(Compressor):
 
 
 @dataclass(frozen=True, eq=False)
-class DropoutOf(Compressor):
-    """A dropout output rebuilt from the packing of its input and the dropout's 1-bit mask.
+class Derived(Compressor):
+    """A tensor rebuilt from other packings: ``fn(*restored parts)``.
 
-    Both are held anyway (the input's packing by whoever saved it, the mask by the dropout),
-    so keeping the output this way costs nothing (attention probabilities after dropout,
-    features after dropout). ``pack`` is not used: :func:`actcore.engine.packing_of` builds
-    the tensors ``(*input packing, mask)`` and the meta ``(input meta, n, shape)``.
+    The parts are packings held anyway by whoever saved them (a norm's compressed input, an
+    activation's input, the operands of a product, a dropout's mask), so keeping a tensor
+    this way costs nothing: a normalization's output, an activation's output, a gated
+    product, a dropout output. ``pack`` is not used (:func:`actcore.engine.packing_of`
+    builds the tensors, the parts' tensors one after the other, and the meta, the parts'
+    metas and tensor counts). Approximate like its parts: never for what must stay exact.
     """
 
-    source: Compressor
-    p: float
-    name = "dropout_of"
+    fn: Callable[..., torch.Tensor]
+    parts: tuple[Compressor | None, ...]  # None: a None argument of fn
+    name = "derived"
     lossy = True
 
     def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
-        inner_meta, n, shape = meta
-        x = self.source.unpack(tuple(tensors[:n]), inner_meta)
-        keep = ops.unpack_mask(tensors[n], shape)
-        return x * keep.to(x.dtype) * (1.0 / (1.0 - self.p))
+        metas, counts = meta
+        restored, i = [], 0
+        for comp, part_meta, n in zip(self.parts, metas, counts, strict=True):
+            restored.append(None if comp is None else comp.unpack(tensors[i : i + n], part_meta))
+            i += n
+        with torch.no_grad():
+            return self.fn(*restored)
 
     def key(self) -> tuple:
-        return (self.name, self.p, *self.source.key())
+        return (self.name, id(self.fn), *(c and c.key() for c in self.parts))
 
 
 class PrefetchQueue:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .compressors import IDENTITY, Compressor, DropoutOf, Quantize, Swap, Tensors, ZeroValue
+from .compressors import IDENTITY, Compressor, Derived, Quantize, Swap, Tensors, ZeroValue
 from .config import LevelSpec, config, level_spec
 
 CONV = "conv"  # inputs of conv / linear layers
@@ -145,23 +145,47 @@ def observe(
         scheme.observe(layer, grad, kernel, channel_dim, norm)
 
 
-def stash(ctx: Any, layer: Any, items: Sequence[tuple[torch.Tensor | None, str | Compressor]]):
-    """Pack and save ``items`` (tensor, role or compressor) on ``ctx`` for :func:`unstash`."""
+def stash(
+    ctx: Any, layer: Any, items: Sequence[tuple[torch.Tensor | None, str | Compressor]]
+) -> list[Part | None]:
+    """Pack and save ``items`` (tensor, role or compressor) on ``ctx`` for :func:`unstash`;
+    returns each item's packing (None for a None item)."""
     tensors: list[torch.Tensor] = []
     plan: list[tuple[int, Compressor | None, Any]] = []
+    parts: list[Part | None] = []
     for x, how in items:
         if x is None:
             plan.append((0, None, None))
+            parts.append(None)
             continue
         comp = how if isinstance(how, Compressor) else choose(layer, how, x)
         comp, packed, meta = _pack_once(comp, x)
         plan.append((len(packed), comp, meta))
+        parts.append((comp, tuple(packed), meta))
         tensors.extend(packed)
     for t in tensors:  # saved-tensor hooks must keep these as they are: see is_stashed
         _records.setdefault(t)["stashed"] = True
     ctx.save_for_backward(*tensors)
     ctx.act_plan = plan
     ctx.act_layer = layer
+    return parts
+
+
+def derive_output(ctx: Any, fn: Any, parts: Sequence[Part | None]) -> None:
+    """In an autograd function's forward: its output is ``fn(*restored parts)`` (None parts
+    stand for None arguments); recorded on the output by :func:`note_output` once ``apply``
+    has returned it."""
+    ctx.act_derive = (fn, tuple(parts))
+
+
+def note_output(out: Any) -> Any:
+    """After ``apply``: record what ``out`` derives from (see :func:`derive_output`)."""
+    node = getattr(out, "grad_fn", None)
+    found = getattr(node, "act_derive", None)
+    if found is not None:
+        node.act_derive = None
+        derive(out, *found)
+    return out
 
 
 def is_stashed(t: torch.Tensor) -> bool:
@@ -190,7 +214,7 @@ def _pack_once(comp: Compressor, x: torch.Tensor) -> tuple[Compressor, Tensors, 
     if earlier is None and comp.lossy:
         earlier = _live(record.get(_FIRST))
         if earlier is None:
-            earlier = _dropout_packing(record, x)
+            earlier = _derived(record)
     if earlier is not None:
         return earlier
     tensors, meta = comp.pack(x)
@@ -199,6 +223,8 @@ def _pack_once(comp: Compressor, x: torch.Tensor) -> tuple[Compressor, Tensors, 
 
 
 _FIRST = "first lossy packing"
+_DERIVED = "derived from"
+_KEPT = "kept as it is"
 
 
 def _live(entry: Any) -> tuple[Compressor, Tensors, Any] | None:
@@ -228,35 +254,103 @@ def remember_packing(
         record[_FIRST] = entry
 
 
-def packing_of(x: torch.Tensor) -> tuple[Compressor, Tensors, Any] | None:
-    """The first lossy packing of ``x`` (unchanged since) that is still held, if any; for a
-    dropout output whose input has one, the :class:`~actcore.compressors.DropoutOf` that
-    rebuilds it from that packing and the dropout's mask."""
+Part = tuple[Compressor, Tensors, Any]
+"""A packing: the compressor, its tensors, its meta (``comp.unpack(tensors, meta)``)."""
+
+
+def packing_of(x: torch.Tensor) -> Part | None:
+    """A lossy packing of ``x`` (unchanged since) still held: its own first one, else a
+    :class:`~actcore.compressors.Derived` one (``x`` rebuilt from the packings it was made
+    from, see :func:`derive`); None if neither."""
     record = _records.get(x)
     if record is None:
         return None
     found = _live(record.get(_FIRST))
-    return found if found is not None else _dropout_packing(record, x)
+    return found if found is not None else _derived(record)
 
 
-def note_dropout(out: torch.Tensor, x: torch.Tensor, packed_mask: torch.Tensor, p: float) -> None:
-    """Record that ``out`` is ``x`` after dropout with keep mask ``packed_mask`` (1 bit)."""
-    _records.setdefault(out)["dropout"] = (weakref.ref(x), x._version, packed_mask, p)
+def source_part(x: torch.Tensor) -> Part | None:
+    """How ``x`` can be restored in backward, if it can: a packing of it, or ``x`` itself
+    when it is held exact anyway (parameters, buffers, tensors a save kept as they are)."""
+    found = packing_of(x)
+    if found is not None:
+        return found
+    record = _records.get(x)
+    if isinstance(x, torch.nn.Parameter) or (record is not None and record.get(_KEPT)):
+        return IDENTITY, (x,), None
+    return None
 
 
-def _dropout_packing(record: dict, out: torch.Tensor) -> tuple[Compressor, Tensors, Any] | None:
-    entry = record.get("dropout")
+def note_kept(x: torch.Tensor) -> None:
+    """Record that a save keeps ``x`` as it is (so a derived tensor may refer to it)."""
+    _records.setdefault(x)[_KEPT] = True
+
+
+def derive(out: torch.Tensor, fn: Any, parts: Sequence[Part | None]) -> None:
+    """Record that ``out`` is ``fn(*restored parts)`` (a None part is passed as None; parts
+    are held weakly: this never extends their life).
+
+    A later save of ``out`` (a Q-layer's stash, the saved-tensor hooks) keeps a reference to
+    these packings instead of a copy of its own: normalization and activation outputs,
+    products of saved operands, dropout outputs cost no memory of their own.
+    """
+    entry = (
+        fn,
+        tuple(
+            None if part is None else (part[0], tuple(weakref.ref(t) for t in part[1]), part[2])
+            for part in parts
+        ),
+    )
+    _records.setdefault(out)[_DERIVED] = entry
+
+
+def derive_from(out: torch.Tensor, fn: Any, sources: Sequence[Any]) -> bool:
+    """:func:`derive` ``out = fn(*sources)`` if every tensor source can be restored (non-tensor
+    sources are constants); returns whether it could."""
+    parts: list[Part] = []
+    constants: list[Any] = []
+    for src in sources:
+        if isinstance(src, torch.Tensor):
+            part = source_part(src)
+            if part is None:
+                return False
+            parts.append(part)
+            constants.append(None)
+        else:
+            constants.append(src)
+    if all(c is None for c in constants):
+        derive(out, fn, parts)
+        return True
+
+    def with_constants(*restored: torch.Tensor, _fn=fn, _constants=tuple(constants)):
+        it = iter(restored)
+        return _fn(*(next(it) if c is None else c for c in _constants))
+
+    derive(out, with_constants, parts)
+    return True
+
+
+def _derived(record: dict) -> Part | None:
+    entry = record.get(_DERIVED)
     if entry is None:
         return None
-    ref, version, mask, p = entry
-    x = ref()
-    if x is None or x._version != version:
-        return None
-    source = packing_of(x)
-    if source is None:
-        return None
-    comp, tensors, meta = source
-    return DropoutOf(comp, p), (*tensors, mask), (meta, len(tensors), out.shape)
+    fn, parts = entry
+    comps, tensors, metas, counts = [], [], [], []
+    for part in parts:
+        if part is None:
+            comps.append(None)
+            metas.append(None)
+            counts.append(0)
+            continue
+        comp, refs, meta = part
+        held = tuple(ref() for ref in refs)
+        if any(t is None for t in held):
+            return None
+        comps.append(comp)
+        tensors.extend(held)
+        metas.append(meta)
+        counts.append(len(held))
+    return Derived(fn, tuple(comps)), tuple(tensors), (tuple(metas), tuple(counts))
 
 
 def mask_of(x: torch.Tensor) -> torch.Tensor | None:

@@ -423,6 +423,8 @@ class SavedTensorCompressor:
         h.version = t._version
         if note:
             memory.note_saved(h.tensor)
+            if self.tailored and t.is_floating_point():
+                engine.note_kept(t)  # a tensor derived from it may refer to it
         return h
 
     def _keeps_exact(self, t: Tensor) -> bool:

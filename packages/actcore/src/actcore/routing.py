@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import LevelSpec
-from .engine import NORMALIZED
+from .engine import NORMALIZED, derive_from, note_output
 from .fewbit import functional as FB
 
 __all__ = ["FunctionalLayer", "FunctionalRouter"]
@@ -174,7 +174,7 @@ def _layer_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
     shape = list(_arg(args, kwargs, 1, "normalized_shape", None))
     eps = float(_arg(args, kwargs, 4, "eps", 1e-5))
     x, weight, bias = autocast_inputs("layer_norm", *found)
-    return LayerNormFunction.apply(x, shape, weight, bias, eps, router.layer)
+    return note_output(LayerNormFunction.apply(x, shape, weight, bias, eps, router.layer))
 
 
 def _group_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
@@ -228,7 +228,7 @@ def _rms_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
         return NotImplemented
     shape = list(_arg(args, kwargs, 1, "normalized_shape", None))
     eps = _arg(args, kwargs, 3, "eps", None)
-    return RMSNormFunction.apply(x, shape, weight, eps, router.layer)
+    return note_output(RMSNormFunction.apply(x, shape, weight, eps, router.layer))
 
 
 def _normalize(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
@@ -406,6 +406,7 @@ def _table() -> dict[Any, _Handler]:
 
 
 _TABLE = _table()
+_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
 
 
 class FunctionalRouter:
@@ -430,6 +431,24 @@ class FunctionalRouter:
         if handler is None:
             return NotImplemented
         return handler(self, args, kwargs)
+
+    def after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """After an unrouted call: what its output derives from, for products (a gated MLP's
+        ``act(gate) * up``, a layer scale): a later save of the product refers to the packings
+        of its operands instead of keeping a copy (:func:`actcore.engine.derive`)."""
+        try:
+            product = func in _PRODUCTS
+        except TypeError:
+            return
+        if (
+            product
+            and isinstance(out, Tensor)
+            and out.requires_grad
+            and len(args) == 2
+            and not kwargs
+            and self.spec.conv_bits is not None
+        ):
+            derive_from(out, torch.mul, args)
 
     @staticmethod
     def routes(func: Any) -> bool:

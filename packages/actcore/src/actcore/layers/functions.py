@@ -8,7 +8,6 @@ backward calls the public aten backward op of that layer on the restored tensors
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -20,10 +19,12 @@ from ..engine import (
     IDENTITY,
     NORM,
     choose,
+    derive_output,
     layer_spec,
-    note_dropout,
     note_mask,
+    note_output,
     observe,
+    source_part,
     stash,
     unstash,
 )
@@ -570,16 +571,8 @@ class MaskedActivationFunction(torch.autograd.Function):
 
 
 def note_dropout_output(out: torch.Tensor) -> torch.Tensor:
-    """Record what a :class:`DropoutFunction` output derives from (after ``apply``, on the
-    tensor the caller gets), so a save of it reuses its input's packing."""
-    node = out.grad_fn
-    found = getattr(node, "act_dropout", None)
-    if found is not None:
-        node.act_dropout = None
-        x = found[0]()
-        if x is not None:
-            note_dropout(out, x, *found[1:])
-    return out
+    """After ``apply`` of :class:`DropoutFunction`: see :func:`actcore.engine.note_output`."""
+    return note_output(out)
 
 
 def note_output_mask(out: torch.Tensor) -> torch.Tensor:
@@ -628,8 +621,14 @@ class DropoutFunction(torch.autograd.Function):
             ctx.mark_dirty(x)
         packed = ops.pack_mask(mask)
         stash(ctx, layer, [(packed, IDENTITY)])
-        if not inplace:  # a later save of out can rebuild it from x's packing and the mask
-            ctx.act_dropout = (weakref.ref(x), packed, p)
+        part = None if inplace else source_part(x)
+        if part is not None:  # a later save of out rebuilds it from x's packing and the mask
+            shape, scale = x.shape, 1.0 / (1.0 - p)
+
+            def dropped(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                return x * ops.unpack_mask(mask, shape).to(x.dtype) * scale
+
+            derive_output(ctx, dropped, [part, (IDENTITY, (packed,), None)])
         return out
 
     @staticmethod

@@ -20,7 +20,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..compressors import IDENTITY
-from ..engine import NORM, choose, observe, stash, unstash
+from ..engine import NORM, choose, derive_output, note_output, observe, stash, unstash
 
 __all__ = ["RecomputedNorm", "recomputed_norm_class"]
 
@@ -42,11 +42,21 @@ class NormRecomputeFunction(torch.autograd.Function):
         rstd = x.float().square().mean(-1, keepdim=True)
         rstd = rstd.clamp_min_(torch.finfo(torch.float32).tiny).rsqrt_()
         comp = choose(layer, NORM, x)
+        dtype = x.dtype
         if comp.lossy:  # the error is then relative to each row's own scale
-            stash(ctx, layer, [(x.float() * rstd, comp), (rstd, IDENTITY)])
+            parts = stash(ctx, layer, [(x.float() * rstd, comp), (rstd, IDENTITY)])
+
+            def output(x_hat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+                return layer.plain_forward((x_hat / rstd).to(dtype))
+
         else:
-            stash(ctx, layer, [(x, comp), (None, IDENTITY)])
-        ctx.normalized, ctx.dtype, ctx.layer = comp.lossy, x.dtype, layer
+            parts = stash(ctx, layer, [(x, comp), (None, IDENTITY)])
+
+            def output(x: torch.Tensor, _: None) -> torch.Tensor:
+                return layer.plain_forward(x)
+
+        derive_output(ctx, output, parts)  # whoever saves the output refers to these
+        ctx.normalized, ctx.dtype, ctx.layer = comp.lossy, dtype, layer
         return out
 
     @staticmethod
@@ -81,7 +91,7 @@ class RecomputedNorm:
         params = list(self.parameters())  # type: ignore[attr-defined]
         if not self._compresses(x, *params):  # type: ignore[attr-defined]
             return self.plain_forward(x)
-        return NormRecomputeFunction.apply(x, self, *params)
+        return note_output(NormRecomputeFunction.apply(x, self, *params))
 
 
 def recomputed_norm_class(module: nn.Module) -> type[nn.Module] | None:
