@@ -18,7 +18,7 @@ from .compressors import IDENTITY, Compressor, Quantize, ZeroValue
 from .config import LevelSpec, config, level_spec
 from .fewbit.convert import SMOOTH_LEFT, fewbit_target, is_fewbit, swap_activation
 from .layers.modules import Q_LAYERS, QLayer, unsupported_reason
-from .layers.recompute import recomputed_norm_class
+from .layers.recompute import recomputed_class
 from .policies import POLICY_OPTIONS, Policy, check_iteration, make_policy
 from .rng import attach_stream
 from .scope import attach_scope, detach_scope
@@ -59,16 +59,16 @@ _DEFAULT = object()
 
 
 def default_fewbit_bits(spec: LevelSpec) -> int | None:
-    """Derivative bits of smooth activations (GELU, SiLU, tanh, ...) at a level.
+    """Derivative bits of smooth activations (GELU, SiLU, tanh, ...) by default: None.
 
-    None (activations keep their input as the level keeps other tensors) at levels that
-    keep linear inputs in full precision (L0, swap); 4 at 4-bit levels (L1, L2); 3 at 2-bit
-    levels (L3 and up): FewBit's default, whose optimal 3-bit GELU derivative trains as the
-    exact one does in its authors' experiments, at 3/32 of float32's memory.
+    By default a smooth activation keeps its input at the level's bits and is recomputed in
+    backward, its output derived from that input (:mod:`actcore.layers.recompute`): the
+    next layer, which saves the output, then stores nothing of its own. A few-bit derivative
+    code (``fewbit_bits=k``, FewBit) keeps ``k`` bits and the next layer its own copy of the
+    output: more bytes in total whenever the output is saved downstream (always, in MLPs
+    and convolutional blocks). ``spec`` is accepted for adapters that tie it to a level.
     """
-    if spec.conv_bits is None:
-        return None
-    return 4 if spec.conv_bits >= 4 else 3
+    return None
 
 
 def convert(
@@ -100,10 +100,11 @@ def convert(
     a Q-layer cannot take is left as it is, with a warning. The :class:`ConversionReport`
     is the returned model's ``act_report`` attribute (and logged).
 
-    ``fewbit_bits`` (1..4, default :func:`default_fewbit_bits` of the level: 3 at L3):
-    smooth activations (GELU, SiLU, Tanh, Sigmoid, ELU, Mish, Softplus, Hardswish, ...)
-    become :mod:`actcore.fewbit` modules that keep a ``fewbit_bits``-bit derivative index per
-    element instead of their input; with None they are left (and the report says so).
+    ``fewbit_bits`` (1..4, default None): smooth activations (GELU, SiLU, Tanh, Sigmoid,
+    ELU, Mish, Softplus, Hardswish, ...) become :mod:`actcore.fewbit` modules that keep a
+    ``fewbit_bits``-bit derivative index per element instead of their input; with None they
+    keep their input at the level's bits, recomputed in backward, and the next layer refers
+    to it (see :func:`default_fewbit_bits`).
     Threshold, Hardsigmoid, Hardshrink and Softshrink always become their few-bit forms (an
     exact 1-bit mask).
 
@@ -173,8 +174,12 @@ def q_layer_converter(spec: LevelSpec, fewbit_bits: int | None) -> Converter:
             return type(module).__name__
         if fewbit_target(module)[0] is not None or is_fewbit(module):
             new = swap_activation(module, fewbit_bits)
-            return Left(SMOOTH_LEFT) if new is None else new
-        target = Q_LAYERS.get(type(module)) or recomputed_norm_class(module)
+            if new is not None:
+                return new
+        target = Q_LAYERS.get(type(module)) or recomputed_class(module)
+        if target is None and fewbit_target(module)[0] is not None:
+            # torch's smooth activations call their functional, which the scope routes
+            return Left(SMOOTH_LEFT)
         if target is None:
             base = next((b for b in Q_LAYERS if isinstance(module, b)), None)
             if base is None:

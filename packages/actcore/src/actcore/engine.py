@@ -23,6 +23,7 @@ CONV = "conv"  # inputs of conv / linear layers
 NORM = "norm"  # inputs of normalization layers
 NORMALIZED = "normalized"  # unit vectors (F.normalize outputs): at least NORMALIZED_BITS
 NORMALIZED_BITS = 4
+ACTIVATION = "activation"  # inputs of smooth activations (their outputs derive from them)
 
 
 class _TensorTable:
@@ -109,7 +110,7 @@ def choose(layer: Any, role: str, x: torch.Tensor) -> Compressor:
     spec = layer_spec(layer)
     if in_checkpoint():
         return IDENTITY
-    bits = spec.conv_bits if role == CONV else spec.norm_bits
+    bits = spec.conv_bits if role in (CONV, ACTIVATION) else spec.norm_bits
     if role == NORMALIZED and bits is not None:
         # a projection onto the unit vector (its backward) cancels most of the gradient:
         # the rounding error of the vector is not averaged out as a linear input's is

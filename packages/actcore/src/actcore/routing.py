@@ -46,6 +46,7 @@ from torch import Tensor
 from .config import LevelSpec
 from .engine import NORMALIZED, derive_from, note_output
 from .fewbit import functional as FB
+from .layers.recompute import recompute
 
 __all__ = ["FunctionalLayer", "FunctionalRouter"]
 
@@ -138,15 +139,19 @@ def _fewbit(fn: Callable[..., Tensor], names: tuple[str, ...], smooth: bool = Tr
         x = args[0] if args else kwargs.get("input")
         if not _saves(x):
             return NotImplemented
-        bits = router.fewbit_bits if smooth else 1
-        if bits is None:
-            return NotImplemented
         unknown = set(kwargs) - {"input", *names}
         if unknown or len(args) > 1 + len(names):
             return NotImplemented
         params = {n: kwargs[n] for n in names if n in kwargs}
         params.update(zip(names, args[1:], strict=False))
-        return fn(x, **params, bits=bits)
+        bits = router.fewbit_bits if smooth else 1
+        if bits is not None:
+            return fn(x, **params, bits=bits)
+        if params.get("inplace") or router.spec.conv_bits is None:
+            return NotImplemented
+        name = fn.__name__
+        torch_fn = getattr(torch, name) if name in ("sigmoid", "tanh") else getattr(F, name)
+        return recompute(x, lambda t: torch_fn(t, **params), router.layer)
 
     return handle
 
