@@ -191,13 +191,20 @@ def test_converts_by_type_and_reports(name):
         if isinstance(module, (nn.LayerNorm, nn.Dropout)):
             assert isinstance(module, actcore.QLayer), mname
     converted = set(report.converted.values())
+    recomputed = "Q_transformers_activations_"  # activations recomputed from their input
     expected = {
-        "bert": {"QLinear", "QLayerNorm", "QDropout", "FewBitGELUActivation", "Tanh"},
-        "gpt2": {"QConv1D", "QLayerNorm", "QDropout", "FewBitNewGELUActivation", "QLinear"},
-        "vit": {"QConv2d", "QLinear", "QLayerNorm", "QDropout", "FewBitGELUActivation"},
-        "llama": {"QLinear", "FewBitSiLUActivation"},
+        "bert": {"QLinear", "QLayerNorm", "QDropout", f"{recomputed}GELUActivation"},
+        "gpt2": {"QConv1D", "QLayerNorm", "QDropout", f"{recomputed}NewGELUActivation"},
+        "vit": {"QConv2d", "QLinear", "QLayerNorm", "QDropout", f"{recomputed}GELUActivation"},
+        "llama": {
+            "QLinear",
+            f"{recomputed}SiLUActivation",
+            "Q_transformers_models_llama_modeling_llama_LlamaRMSNorm",
+        },
     }[name]
     assert expected <= converted, converted
+    act_hf.convert(model, "L3", fewbit_bits=3)  # few-bit codes, opt-in
+    assert any(c.startswith("FewBit") for c in model.act_report.converted.values())
     # what is left is said, with a reason; nothing converted is also listed as left
     assert not set(report.converted) & set(report.left)
     assert all(isinstance(why, str) and why for why in report.left.values())
@@ -483,7 +490,7 @@ def test_convert_is_idempotent_and_reload_converts_the_same(tmp_path):
     act_hf.convert(model, "L1")
     levels = {m.act_level for m in model.modules() if isinstance(m, actcore.QLayer)}
     assert levels == {"L1"}
-    assert model.act_report.fewbit_bits == 4
+    assert model.act_report.fewbit_bits is None  # few-bit codes are opt-in
 
 
 # --------------------------------------------------------------------------- dtypes, sdpa
@@ -664,14 +671,15 @@ def test_exclude_and_fewbit_bits():
     assert model.encoder.layer[1].intermediate.intermediate_act_fn.bits == 2
 
 
-def test_activation_without_a_few_bit_form_is_compressed_by_the_scope():
-    """QuickGELU (``x * sigmoid(1.702 x)``) has no few-bit table: it keeps its class, and
-    what it saves (``x``, the sigmoid's output) goes through the scope's hooks."""
+def test_activation_without_a_few_bit_form_is_recomputed():
+    """QuickGELU (``x * sigmoid(1.702 x)``) has no few-bit table: it keeps its input at the
+    level's activation bits and is recomputed in backward."""
     base, inputs = _bert()
     model = BertModel(BertConfig(**{**base.config.to_dict(), "hidden_act": "quick_gelu"}))
     model.train()
     act = model.encoder.layer[0].intermediate.intermediate_act_fn
     assert type(act).__name__ == "QuickGELUActivation"
+    plain_type = type(act)
 
     def act_bytes() -> int:
         with memory.track(model) as rep:
@@ -681,8 +689,8 @@ def test_activation_without_a_few_bit_form_is_compressed_by_the_scope():
 
     fp32 = act_bytes()
     act_hf.convert(model, "L3")
-    assert type(act).__name__ == "QuickGELUActivation"
-    assert act_bytes() * 6 < fp32  # x at 2 bits, the sigmoid's output at 4 bits
+    assert isinstance(act, plain_type)  # its recomputed form: the input kept at 4 bits
+    assert act_bytes() * 6 < fp32
 
 
 def test_attention_left_when_the_model_computes_its_own():

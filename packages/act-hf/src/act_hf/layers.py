@@ -21,6 +21,7 @@ from actcore.fewbit import TableCode, apply, get_table
 from actcore.fewbit.convert import register_activation
 from actcore.layers import QLayer, register_q_layer
 from actcore.layers.functions import guard_input, own_output
+from actcore.layers.recompute import register_recomputed
 from actcore.op_mode import call_outside_modes
 
 __all__ = ["FEWBIT_ACTIVATIONS", "Conv1DFunction", "QConv1D", "fewbit_class_for"]
@@ -134,6 +135,29 @@ for _name, (_table, _params) in _HF_TABLES.items():
     register_activation(_base, _cls, smooth=True)  # actcore.convert swaps it
 
 register_q_layer(Conv1D, QConv1D)
+
+# Without few-bit codes, transformers' activations keep their input and are recomputed in
+# backward (their output, saved by the next linear, derives from it): the composite ones
+# (NewGELU's tanh formula, QuickGELU's sigmoid product...) would otherwise keep each step.
+RECOMPUTED_ACTIVATIONS = (
+    "GELUActivation",
+    "ClippedGELUActivation",
+    "FastGELUActivation",
+    "NewGELUActivation",
+    "GELUTanh",
+    "PytorchGELUTanh",
+    "AccurateGELUActivation",
+    "LaplaceActivation",
+    "MishActivation",
+    "QuickGELUActivation",
+    "ReLUSquaredActivation",
+    "SiLUActivation",
+    "SqrtSoftplusActivation",
+)
+for _name in RECOMPUTED_ACTIVATIONS:
+    _base = getattr(hf_activations, _name, None)
+    if isinstance(_base, type):
+        register_recomputed(_base)
 
 
 def fewbit_class_for(module: nn.Module) -> type[nn.Module] | None:

@@ -16,9 +16,15 @@ from torch import nn
 
 from .compressors import IDENTITY, Compressor, Quantize, ZeroValue
 from .config import LevelSpec, config, level_spec
-from .fewbit.convert import SMOOTH_LEFT, fewbit_target, is_fewbit, swap_activation
+from .fewbit.convert import (
+    SMOOTH_LEFT,
+    fewbit_target,
+    fewbit_target_of,
+    is_fewbit,
+    swap_activation,
+)
 from .layers.modules import Q_LAYERS, QLayer, unsupported_reason
-from .layers.recompute import recomputed_class
+from .layers.recompute import RecomputedModule, recomputed_class
 from .policies import POLICY_OPTIONS, Policy, check_iteration, make_policy
 from .rng import attach_stream
 from .scope import attach_scope, detach_scope
@@ -145,7 +151,7 @@ def convert(
 
     done = walk(
         model,
-        [*converters, q_layer_converter(spec, fewbit_bits)],
+        [*converters, q_layer_converter(spec, fewbit_bits, scope=not layers_only)],
         exclude=exclude,
         on_excluded=on_excluded,
     )
@@ -163,12 +169,18 @@ def convert(
     return model
 
 
-def q_layer_converter(spec: LevelSpec, fewbit_bits: int | None) -> Converter:
+def q_layer_converter(spec: LevelSpec, fewbit_bits: int | None, scope: bool = True) -> Converter:
     """The converter of :func:`convert`: standard layers to Q-layers at ``spec`` (and the
     registered ones, :func:`actcore.layers.register_q_layer`), activations to their few-bit
-    forms (:func:`actcore.fewbit.convert.swap_activation`)."""
+    forms (:func:`actcore.fewbit.convert.swap_activation`) when ``fewbit_bits`` is given.
+    With the ``scope``, torch's smooth activations need nothing: the scope routes the
+    functional they call."""
 
     def convert_one(name: str, module: nn.Module) -> str | Left | None:
+        if isinstance(module, RecomputedModule) and fewbit_bits is not None:
+            source = module.act_source_class
+            if fewbit_target_of(source)[0] is not None:
+                module.__class__ = source  # converted again with few-bit codes
         if isinstance(module, QLayer):
             module.act_level, module.act_name = spec.name, name  # errors name the layer
             return type(module).__name__
@@ -179,7 +191,7 @@ def q_layer_converter(spec: LevelSpec, fewbit_bits: int | None) -> Converter:
         target = Q_LAYERS.get(type(module)) or recomputed_class(module)
         if target is None and fewbit_target(module)[0] is not None:
             # torch's smooth activations call their functional, which the scope routes
-            return Left(SMOOTH_LEFT)
+            return None if scope else Left(SMOOTH_LEFT)
         if target is None:
             base = next((b for b in Q_LAYERS if isinstance(module, b)), None)
             if base is None:

@@ -21,9 +21,25 @@ from .config import LevelSpec, config, level_spec
 
 CONV = "conv"  # inputs of conv / linear layers
 NORM = "norm"  # inputs of normalization layers
-NORMALIZED = "normalized"  # unit vectors (F.normalize outputs): at least NORMALIZED_BITS
-NORMALIZED_BITS = 4
+ROW_NORM = "row_norm"  # inputs of layer / group / RMS norms, F.normalize's unit vectors
 ACTIVATION = "activation"  # inputs of smooth activations (their outputs derive from them)
+OTHER = "other"  # anything else the forward saves (the saved-tensor hooks' tensors)
+NORMALIZED = ROW_NORM  # (the unit vectors of F.normalize are kept as row-norm inputs)
+
+
+def role_bits(spec: LevelSpec, role: str) -> int | None:
+    """The bits ``spec`` gives a tensor of ``role`` (None: kept as it is)."""
+    if role == CONV:
+        return spec.conv_bits
+    if role == NORM:
+        return spec.norm_bits
+    if role == ROW_NORM:
+        return spec.row_norm_bits
+    if role == ACTIVATION:
+        return spec.activation_bits
+    if role == OTHER:
+        return spec.other_bits
+    raise ValueError(f"unknown role {role!r}")
 
 
 class _TensorTable:
@@ -110,11 +126,7 @@ def choose(layer: Any, role: str, x: torch.Tensor) -> Compressor:
     spec = layer_spec(layer)
     if in_checkpoint():
         return IDENTITY
-    bits = spec.conv_bits if role in (CONV, ACTIVATION) else spec.norm_bits
-    if role == NORMALIZED and bits is not None:
-        # a projection onto the unit vector (its backward) cancels most of the gradient:
-        # the rounding error of the vector is not averaged out as a linear input's is
-        bits = max(bits, NORMALIZED_BITS)
+    bits = role_bits(spec, role)
     if bits is None or x.numel() < config.min_numel or not x.is_floating_point():
         base: Compressor = IDENTITY
     else:

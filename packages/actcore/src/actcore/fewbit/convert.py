@@ -11,6 +11,7 @@ from torch import nn
 __all__ = [
     "convert_linear",
     "fewbit_target",
+    "fewbit_target_of",
     "is_fewbit",
     "map_module",
     "register_activation",
@@ -94,7 +95,9 @@ def convert_linear(module: nn.Module, ctor: Callable[..., nn.Module], **kw: Any)
 # Activation swap (used by ``actcore.convert(..., fewbit_bits=k)`` and ``Controller``)
 # --------------------------------------------------------------------------------------------
 
-SMOOTH_LEFT = "smooth activation: pass fewbit_bits=k to compress its derivative"
+SMOOTH_LEFT = (
+    "smooth activation kept as it is (layers only): pass fewbit_bits=k for a few-bit derivative"
+)
 
 
 def _builtin_tables() -> tuple[dict[type, type], dict[type, type]]:
@@ -156,8 +159,12 @@ def register_activation(stock: type[nn.Module], fewbit: type[nn.Module], *, smoo
 def fewbit_target(module: nn.Module) -> tuple[type[nn.Module] | None, bool]:
     """The few-bit class for a plain torch activation ``module`` and whether it is smooth
     (needs a ``bits`` choice); ``(None, False)`` for anything else (subclasses included)."""
+    return fewbit_target_of(type(module))
+
+
+def fewbit_target_of(cls: type) -> tuple[type[nn.Module] | None, bool]:
+    """:func:`fewbit_target` for a class."""
     smooth, piecewise = _activation_tables()
-    cls = type(module)
     if cls in smooth:
         return smooth[cls], True
     if cls in piecewise:

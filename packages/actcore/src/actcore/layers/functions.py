@@ -18,6 +18,7 @@ from ..engine import (
     CONV,
     IDENTITY,
     NORM,
+    ROW_NORM,
     choose,
     derive_output,
     layer_spec,
@@ -157,7 +158,7 @@ def _stat_view(stat: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _norm_input(
-    layer: Any, x: torch.Tensor, normalize
+    layer: Any, x: torch.Tensor, normalize, role: str = NORM
 ) -> tuple[torch.Tensor, Compressor | str, bool]:
     """What a normalization layer saves for ``x``: ``(tensor, how, normalized)``.
 
@@ -167,7 +168,7 @@ def _norm_input(
     with a tiny variance would otherwise see its gradient blown up by ``invstd``). Backward
     rebuilds ``x`` from it with the exact saved statistics.
     """
-    comp = choose(layer, NORM, x)
+    comp = choose(layer, role, x)
     if not comp.lossy:
         return x, comp, False
     return normalize(x), comp, True
@@ -398,7 +399,7 @@ class LayerNormFunction(torch.autograd.Function):
     def forward(ctx, x, normalized_shape, weight, bias, eps, layer):
         out, mean, rstd = aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
         ctx.normalized_shape, ctx.dtype = normalized_shape, x.dtype
-        saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: (t - mean) * rstd)
+        saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: (t - mean) * rstd, ROW_NORM)
         stash(
             ctx,
             layer,
@@ -440,7 +441,7 @@ class GroupNormFunction(torch.autograd.Function):
             grouped = t.reshape(n, num_groups, -1)
             return ((grouped - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).view(t.shape)
 
-        saved_x, how, ctx.normalized = _norm_input(layer, x, normalize)
+        saved_x, how, ctx.normalized = _norm_input(layer, x, normalize, ROW_NORM)
         stash(
             ctx,
             layer,
@@ -508,7 +509,7 @@ class RMSNormFunction(torch.autograd.Function):
         xf = x.float()
         rstd = xf.square().mean(dims, keepdim=True).add_(eps_value).rsqrt_()
         ctx.dims, ctx.dtype, ctx.eps = dims, x.dtype, eps_value
-        saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: t.float() * rstd)
+        saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: t.float() * rstd, ROW_NORM)
         stash(ctx, layer, [(saved_x, how), (weight, IDENTITY), (rstd, IDENTITY)])
         return out
 

@@ -41,6 +41,7 @@ class QLayer:
 
     act_level: str | None = None
     act_scheme: Any = None
+    act_adaptive_bits = True  # whether adaptive bit plans (L3) choose its bits
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A Q-layer is its own tailored treatment: the functional-op router of a converted
@@ -288,6 +289,8 @@ class QSyncBatchNorm(QBatchNormBase, nn.SyncBatchNorm):
 
 
 class QLayerNorm(QLayer, nn.LayerNorm):
+    act_adaptive_bits = False  # a row norm: the level's row-norm bits
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight, self.bias):
             return super().forward(input)
@@ -324,6 +327,8 @@ def group_norm(
 
 
 class QGroupNorm(QLayer, nn.GroupNorm):
+    act_adaptive_bits = False  # a row norm: the level's row-norm bits
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight, self.bias):
             return super().forward(input)
@@ -332,6 +337,8 @@ class QGroupNorm(QLayer, nn.GroupNorm):
 
 class QRMSNorm(QLayer, nn.RMSNorm):
     """``nn.RMSNorm`` keeping its normalized input compressed and the exact per-row scale."""
+
+    act_adaptive_bits = False  # a row norm: the level's row-norm bits
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight):

@@ -6,7 +6,7 @@ Two kinds go this way:
   Gemma's ``(1 + w)`` variant...): their forward is a chain of elementwise ops (``pow``,
   ``mean``, ``rsqrt``, products, dtype casts) that the saved-tensor hooks would each keep,
   the per-row ``rsqrt`` included. Their input is kept normalized by its own root mean
-  square per row, compressed at the level's norm bits, next to that root mean square exact;
+  square per row, compressed at the level's row-norm bits, next to that root mean square exact;
 * smooth activations (``F.gelu``, ``F.silu``, ``torch.tanh``... and registered activation
   modules such as transformers' ``NewGELUActivation``): their input is kept at the level's
   activation bits.
@@ -31,7 +31,7 @@ from torch.autograd.function import once_differentiable
 from ..compressors import IDENTITY
 from ..engine import (
     ACTIVATION,
-    NORM,
+    ROW_NORM,
     choose,
     derive_output,
     note_output,
@@ -69,7 +69,7 @@ class RecomputeFunction(torch.autograd.Function):
     def forward(ctx, x, forward, layer, normalize, *params):
         out = forward(x)
         dtype = x.dtype
-        comp = choose(layer, NORM if normalize else ACTIVATION, x)
+        comp = choose(layer, ROW_NORM if normalize else ACTIVATION, x)
         if normalize and comp.lossy:  # the error is then relative to each row's own scale
             rstd = x.float().square().mean(-1, keepdim=True)
             rstd = rstd.clamp_min_(torch.finfo(torch.float32).tiny).rsqrt_()
@@ -122,6 +122,8 @@ class RecomputedModule:
     act_level: str | None = None
     act_scheme: Any = None
     act_normalize: bool = False
+    act_adaptive_bits = False  # the level's row-norm / activation bits
+    act_source_class: type = nn.Module  # the class it was made from
 
     def plain_forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x)  # type: ignore[misc]
@@ -166,7 +168,12 @@ def recomputed_class(module: nn.Module) -> type[nn.Module] | None:
         # a module-level name, so converted models pickle (the source module in it keeps
         # two libraries' classes of one name apart)
         name = "Q_" + re.sub(r"\W", "_", f"{cls.__module__}.{cls.__qualname__}")
-        attrs = {"__module__": __name__, "__qualname__": name, "act_normalize": normalize}
+        attrs = {
+            "__module__": __name__,
+            "__qualname__": name,
+            "act_normalize": normalize,
+            "act_source_class": cls,
+        }
         found = _CLASSES[cls] = type(name, (RecomputedModule, QLayer, cls), attrs)
         globals()[name] = found
     return found
