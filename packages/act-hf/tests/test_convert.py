@@ -179,7 +179,8 @@ def test_converts_by_type_and_reports(name):
     act_hf.convert(model, "L3")
     report = model.act_report
     assert isinstance(report, act_hf.HFConversionReport) and report.level == "L3"
-    assert report.attention == "act_eager" == model.config._attn_implementation
+    assert report.attention == "eager" == model.config._attn_implementation  # kept
+    assert report.scope is not None  # the rest of the forward is compressed by the scope
     for mname, module in model.named_modules():
         if type(module).__module__.startswith("transformers.models"):
             continue  # containers and model-specific blocks
@@ -190,35 +191,68 @@ def test_converts_by_type_and_reports(name):
         if isinstance(module, (nn.LayerNorm, nn.Dropout)):
             assert isinstance(module, actcore.QLayer), mname
     converted = set(report.converted.values())
+    recomputed = "Q_transformers_activations_"  # activations recomputed from their input
     expected = {
-        "bert": {"QLinear", "QLayerNorm", "QDropout", "FewBitGELUActivation", "Tanh"},
-        "gpt2": {"QConv1D", "QLayerNorm", "QDropout", "FewBitNewGELUActivation", "QLinear"},
-        "vit": {"QConv2d", "QLinear", "QLayerNorm", "QDropout", "FewBitGELUActivation"},
-        "llama": {"QLinear", "FewBitSiLUActivation"},
+        "bert": {"QLinear", "QLayerNorm", "QDropout", f"{recomputed}GELUActivation"},
+        "gpt2": {"QConv1D", "QLayerNorm", "QDropout", f"{recomputed}NewGELUActivation"},
+        "vit": {"QConv2d", "QLinear", "QLayerNorm", "QDropout", f"{recomputed}GELUActivation"},
+        "llama": {
+            "QLinear",
+            f"{recomputed}SiLUActivation",
+            "Q_transformers_models_llama_modeling_llama_LlamaRMSNorm",
+        },
     }[name]
     assert expected <= converted, converted
+    act_hf.convert(model, "L3", fewbit_bits=3)  # few-bit codes, opt-in
+    assert any(c.startswith("FewBit") for c in model.act_report.converted.values())
     # what is left is said, with a reason; nothing converted is also listed as left
     assert not set(report.converted) & set(report.left)
-    if name == "llama":
-        assert any("LlamaRMSNorm" in why for why in report.left.values())
     assert all(isinstance(why, str) and why for why in report.left.values())
+    act_hf.convert(model, "L3", attention="act_eager")  # opt-in
+    assert model.act_report.attention == "act_eager" == model.config._attn_implementation
 
 
+class _CountCoreAttention:
+    """Counts actcore's AttentionFunction calls (the model's sdpa kept, q/k/v compressed)."""
+
+    def __init__(self, monkeypatch):
+        from actcore.attention import AttentionFunction
+
+        self.n = 0
+        original = AttentionFunction.apply
+
+        def counting(*args):
+            self.n += 1
+            return original(*args)
+
+        monkeypatch.setattr(AttentionFunction, "apply", counting)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("name", list(ZOO))
-def test_forward_identical_after_convert(name, monkeypatch):
-    model, inputs = ZOO[name]()
+def test_forward_identical_after_convert(name, impl, monkeypatch):
+    """Bitwise the unconverted model's output with its own attention implementation; with
+    sdpa kept, every layer's attention runs actcore's compressed sdpa; ``act_eager``
+    (opt-in) matches eager bitwise."""
+    model, inputs = ZOO[name](impl)
     model.eval()  # dropout off
     with torch.no_grad():
         ref = _first(model, inputs)
-    ref_grad_path = _first(model, inputs)  # with autograd (eager attention, torch layers)
+    ref_grad_path = _first(model, inputs)  # with autograd (its attention, torch layers)
     act_hf.convert(model, "L3")
-    calls = _CountCalls(monkeypatch)
+    assert model.config._attn_implementation == impl
+    core_calls = _CountCoreAttention(monkeypatch)
     out = _first(model, inputs)  # grad enabled: the compressing paths run
-    assert calls.n == model.config.num_hidden_layers
+    assert core_calls.n == (model.config.num_hidden_layers if impl == "sdpa" else 0)
     assert torch.equal(out, ref)
     assert torch.equal(out, ref_grad_path)
     with torch.no_grad():
         assert torch.equal(_first(model, inputs), ref)
+    if impl == "eager":
+        act_hf.convert(model, "L3", attention="act_eager")
+        calls = _CountCalls(monkeypatch)
+        assert torch.equal(_first(model, inputs), ref)
+        assert calls.n == model.config.num_hidden_layers
 
 
 @pytest.mark.parametrize("name", list(ZOO))
@@ -442,7 +476,8 @@ def test_convert_is_idempotent_and_reload_converts_the_same(tmp_path):
     assert model.act_report.converted == report.converted
     assert model.act_report.left == report.left
     model.save_pretrained(tmp_path)
-    fresh = act_hf.convert(GPT2LMHeadModel.from_pretrained(tmp_path), "L3")
+    fresh = GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager")
+    fresh = act_hf.convert(fresh, "L3")
     assert {n: type(m) for n, m in fresh.named_modules()} == classes
     assert fresh.act_report.converted == report.converted
     assert fresh.state_dict().keys() == model.state_dict().keys()
@@ -455,7 +490,7 @@ def test_convert_is_idempotent_and_reload_converts_the_same(tmp_path):
     act_hf.convert(model, "L1")
     levels = {m.act_level for m in model.modules() if isinstance(m, actcore.QLayer)}
     assert levels == {"L1"}
-    assert model.act_report.fewbit_bits == 4
+    assert model.act_report.fewbit_bits is None  # few-bit codes are opt-in
 
 
 # --------------------------------------------------------------------------- dtypes, sdpa
@@ -505,8 +540,8 @@ def test_sdpa_still_works(name):
     assert torch.equal(out, ref)
     _scalar(model, inputs).backward()
     assert all(torch.isfinite(g).all() for g in _grads(model).values())
-    # converted with attention, then switched back to sdpa by the user
-    act_hf.convert(model, "L3")
+    # converted with act_eager (opt-in), then switched back to sdpa by the user
+    act_hf.convert(model, "L3", attention="act_eager")
     assert model.config._attn_implementation == "act_eager"
     torch.testing.assert_close(_first(model, inputs), ref)  # eager math vs sdpa kernels
     model.set_attn_implementation("sdpa")
@@ -636,12 +671,26 @@ def test_exclude_and_fewbit_bits():
     assert model.encoder.layer[1].intermediate.intermediate_act_fn.bits == 2
 
 
-def test_unconvertible_activation_is_reported():
-    base, _ = _bert()
+def test_activation_without_a_few_bit_form_is_recomputed():
+    """QuickGELU (``x * sigmoid(1.702 x)``) has no few-bit table: it keeps its input at the
+    level's activation bits and is recomputed in backward."""
+    base, inputs = _bert()
     model = BertModel(BertConfig(**{**base.config.to_dict(), "hidden_act": "quick_gelu"}))
+    model.train()
+    act = model.encoder.layer[0].intermediate.intermediate_act_fn
+    assert type(act).__name__ == "QuickGELUActivation"
+    plain_type = type(act)
+
+    def act_bytes() -> int:
+        with memory.track(model) as rep:
+            out = model(**inputs)
+        del out
+        return rep.by_module["encoder.layer.0.intermediate.intermediate_act_fn"]
+
+    fp32 = act_bytes()
     act_hf.convert(model, "L3")
-    left = model.act_report.left
-    assert "no compressed counterpart for QuickGELUActivation" in left.values()
+    assert isinstance(act, plain_type)  # its recomputed form: the input kept at 4 bits
+    assert act_bytes() * 6 < fp32
 
 
 def test_attention_left_when_the_model_computes_its_own():
@@ -649,7 +698,7 @@ def test_attention_left_when_the_model_computes_its_own():
     model.config.reorder_and_upcast_attn = True
     model = GPT2LMHeadModel(model.config).eval()
     ref = _first(model, inputs)
-    act_hf.convert(model, "L3")
+    act_hf.convert(model, "L3", attention="act_eager")
     assert model.config._attn_implementation == "eager" == model.act_report.attention
     assert "reorder_and_upcast_attn" in model.act_report.left["<attention>"]
     assert torch.equal(_first(model, inputs), ref)
@@ -716,7 +765,8 @@ def test_trainer_with_callback(tmp_path):
     trainer = Trainer(model=model, args=args, train_dataset=Toy(), callbacks=[callback])
     trainer.train()
     assert type(model.bert.encoder.layer[0].attention.self.query) is actcore.QLinear
-    assert callback.report is model.act_report and model.config._attn_implementation == "act_eager"
+    assert callback.report is model.act_report
+    assert model.config._attn_implementation == model.act_report.attention  # kept
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 8
     assert sum(losses[-3:]) < sum(losses[:3]), losses

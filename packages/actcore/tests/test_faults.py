@@ -25,7 +25,7 @@ def _small_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
 def _model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(64, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 4)
+        nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 4)
     )
 
 

@@ -81,8 +81,14 @@ def test_swap_keeps_forward_bitwise_and_state_dict(act: nn.Module, route: str) -
 
 
 def test_convert_without_fewbit_bits_leaves_smooth_activations_with_reason() -> None:
+    """Without few-bit codes, torch's smooth activations keep their class: the scope
+    recomputes them from their compressed input (see test_scope); with layers only, they
+    are left as they are, and the report says so."""
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.SiLU(), nn.Hardsigmoid())
-    actcore.convert(model, level="L2", fewbit_bits=None)
+    actcore.convert(model, level="L2")
+    assert type(model[1]) is nn.GELU and type(model[2]) is nn.SiLU
+    assert model.act_report.left == {}
+    actcore.convert(model, level="L2", fewbit_bits=None, layers_only=True)
     assert type(model[1]) is nn.GELU and type(model[2]) is nn.SiLU
     assert model.act_report.left == {"1": SMOOTH_LEFT, "2": SMOOTH_LEFT}
     assert model.act_report.converted["3"] == "Hardsigmoid"  # exact 1-bit mask, always
@@ -93,14 +99,11 @@ def test_convert_without_fewbit_bits_leaves_smooth_activations_with_reason() -> 
     assert model[1].bits == 1
     actcore.convert(model, level="L2", fewbit_bits=None)
     assert isinstance(model[1], fewbit.GELU) and model[1].bits == 1
-    # by default the level picks the bits: 4 at L1/L2, 3 at L3 and up, none at L0
-    for level, bits in (("L2", 4), ("L3", 3)):
+    # few-bit codes are opt-in: by default no level swaps a plain activation
+    for level in ("L0", "L2", "L3"):
         fresh = nn.Sequential(nn.Linear(8, 8), nn.GELU())
         actcore.convert(fresh, level=level)
-        assert isinstance(fresh[1], fewbit.GELU) and fresh[1].bits == bits
-    fresh = nn.Sequential(nn.Linear(8, 8), nn.GELU())
-    actcore.convert(fresh, level="L0")
-    assert type(fresh[1]) is nn.GELU
+        assert type(fresh[1]) is nn.GELU
 
 
 def test_controller_without_fewbit_bits_leaves_model_alone() -> None:
@@ -207,9 +210,10 @@ def test_mlp_bytes_with_quantized_linears_both_routes(tokens: int) -> None:
             model, x, actcore.Controller(model, "L1", fewbit_bits=fb)
         )
     assert got == {
-        # convert's hooks quantize a plain GELU's input to 4 bits, as the Controller's do;
-        # with layers_only it stays in fp32
-        "convert L1 fewbit=None": q_in + q_mid + q_mid,
+        # convert keeps a plain GELU's input at 4 bits and the second linear refers to it
+        # (its input is the GELU's output, derived from that); the Controller keeps both;
+        # with layers_only the GELU's input stays in fp32
+        "convert L1 fewbit=None": q_in + q_mid,
         "convert L1 layers only fewbit=None": q_in + n_mid * 4 + q_mid,
         "Controller L1 fewbit=None": q_in + q_mid + q_mid,
         "convert L1 fewbit=3": q_in + gelu_3bit + q_mid,

@@ -339,12 +339,44 @@ def test_history_free_data_is_compressed_and_constants_are_exact() -> None:
     model = actcore.convert(Rotary(), "L3")
     with memory.track(model) as rep:
         out = model(x)
-    h_2bit = actcore.ops.quantize(x.reshape(-1, 128), 2).nbytes  # matmul saves h folded
+    h_4bit = actcore.ops.quantize(x.reshape(-1, 128), 4).nbytes  # matmul saves h folded
     cos_fp32 = 64 * 128 * 4
-    assert rep.retained_bytes == h_2bit + cos_fp32
+    assert rep.retained_bytes == h_4bit + cos_fp32  # L3 keeps such tensors at 4 bits
     out.sum().backward()
     ref = Rotary()
     ref.load_state_dict(model.state_dict())
     torch.manual_seed(0)
     (ref(x) * 1).sum().backward()
     assert torch.isfinite(model.w.grad).all()
+
+
+def test_dropout_output_is_rebuilt_from_its_input_packing(monkeypatch) -> None:
+    """Attention probabilities after dropout: the product saves ``dropout(p)``, which is kept
+    as a reference to ``p``'s 4-bit packing (saved by softmax) and the dropout's 1-bit mask:
+    nothing more is stored (without the mechanism: a 4-bit copy of it)."""
+
+    class Probs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(64, 64) / 8)
+
+        def forward(self, s: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            p = torch.softmax(s @ self.w, dim=-1)
+            return F.dropout(p, 0.2, self.training) @ v
+
+    s, v = torch.randn(8, 64, 64), torch.randn(8, 64, 64, requires_grad=True)
+
+    def held() -> int:
+        model = actcore.convert(Probs(), "L3")
+        with memory.track(model) as rep:
+            out = model(s, v)
+        out.sum().backward()
+        assert torch.isfinite(v.grad).all() and torch.isfinite(model.w.grad).all()
+        return rep.retained_bytes
+
+    rebuilt = held()
+    import actcore.layers.functions as functions
+
+    monkeypatch.setattr(functions, "note_dropout_output", lambda out: out)
+    copy_4bit = actcore.ops.quantize(torch.randn(8, 64, 64), 4).nbytes
+    assert held() - rebuilt == copy_4bit

@@ -3,33 +3,23 @@
 from __future__ import annotations
 
 import logging
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 import actcore
 from actcore.config import LevelSpec, level_spec
-from actcore.convert import check_exclude as _check_exclude
-from actcore.convert import is_excluded as _excluded
+from actcore.convert import default_fewbit_bits as core_default_fewbit_bits
 from actcore.fewbit.tables import check_bits
 from actcore.layers import QLayer
+from actcore.walker import Exclude
 
 from .attention import ATTENTION_NAME, register_attention
-from .layers import FEWBIT_ACTIVATIONS, QConv1D, is_fewbit
 
 log = logging.getLogger("act_hf")
 
-__all__ = ["HFConversionReport", "convert", "default_fewbit_bits"]
-
-Exclude = str | type | Callable[[str, nn.Module], bool]
-
-# Leaf modules that keep nothing worth compressing for backward (an embedding keeps its
-# integer indices; the others keep nothing at all).
-_NOTHING_SAVED: tuple[type[nn.Module], ...] = (nn.Embedding, nn.Identity, nn.Flatten)
-_NOTHING_SAVED_NAMES = {"LinearActivation", "Identity"}
+__all__ = ["ATTENTION_CHOICES", "HFConversionReport", "convert", "default_fewbit_bits"]
 
 
 @dataclass
@@ -55,16 +45,8 @@ class HFConversionReport(actcore.ConversionReport):
 
 
 def default_fewbit_bits(spec: LevelSpec) -> int | None:
-    """Derivative bits of continuous activations (GELU, SiLU, tanh, ...) at a level.
-
-    None (activations keep their input in full precision) at levels that keep linear
-    inputs in full precision (L0, swap); 4 at 4-bit levels (L1, L2); 3 at 2-bit levels
-    (L3 and up): FewBit's default, whose optimal 3-bit GELU derivative trains as the exact
-    one does in its authors' experiments, at 3/32 of float32's memory.
-    """
-    if spec.conv_bits is None:
-        return None
-    return 4 if spec.conv_bits >= 4 else 3
+    """Derivative bits of smooth activations at a level (:func:`actcore.convert.default_fewbit_bits`)."""
+    return core_default_fewbit_bits(spec)
 
 
 def _set_attention(model: nn.Module, report: HFConversionReport) -> None:
@@ -96,23 +78,43 @@ def _set_attention(model: nn.Module, report: HFConversionReport) -> None:
     report.attention = config._attn_implementation
 
 
+ATTENTION_CHOICES = ("keep", ATTENTION_NAME)
+
+
+def _check_attention(attention: str | bool) -> str:
+    if attention is True:  # the 0.1 API: True chose act_eager
+        return ATTENTION_NAME
+    if attention is False:
+        return "keep"
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(
+            f"attention must be one of {', '.join(map(repr, ATTENTION_CHOICES))}, got {attention!r}"
+        )
+    return attention
+
+
 def convert(
     model: nn.Module,
     level: str = "L3",
     *,
-    attention: bool = True,
+    attention: str | bool = "keep",
     fewbit_bits: int | None = None,
     exclude: Iterable[Exclude] = (),
 ) -> nn.Module:
     """Compress what ``model`` (any ``PreTrainedModel``, or any module) keeps for backward.
 
-    In place, by module type (never by name): ``nn.Linear``, transformers' ``Conv1D``, norm,
-    convolution, pooling, ReLU-family and ``nn.Dropout`` modules become actcore Q-layers
-    (``actcore.convert``; dropout keeps a 1-bit mask); continuous activations (the ``ACT2FN``
-    classes such as ``GELUActivation``, ``NewGELUActivation``, and torch's ``nn.GELU``,
-    ``nn.SiLU``, ``nn.Tanh``...) keep a ``fewbit_bits``-bit derivative (default:
-    :func:`default_fewbit_bits` of the level); with ``attention`` the model's attention
-    implementation becomes ``act_eager`` (see :mod:`act_hf.attention`).
+    :func:`actcore.convert` at ``level``, with transformers' own layers declared to it
+    (GPT-2's ``Conv1D`` becomes :class:`QConv1D`; the ``ACT2FN`` activation classes such as
+    ``GELUActivation`` get few-bit derivatives, ``fewbit_bits`` bits, default
+    :func:`default_fewbit_bits` of the level): linear, ``Conv1D``, norm, convolution,
+    pooling, ReLU-family and dropout modules become Q-layers, and everything else the
+    forward saves (the attention call, RMSNorms, gated products, the loss when ``labels``
+    are passed) is compressed by the model's scope (:mod:`actcore.scope`).
+
+    ``attention``: ``"keep"`` (default) keeps the model's configured implementation (sdpa,
+    flash): the scope stores its q, k, v compressed and reruns the same kernel in backward.
+    ``"act_eager"`` switches to :mod:`act_hf.attention`'s eager attention (probabilities
+    kept compressed; quadratic in the sequence, opt-in).
 
     Parameters, buffers, ``state_dict`` keys and forward outputs stay the same. ``exclude``
     takes module names (fnmatch patterns), types or predicates ``(name, module) -> bool``.
@@ -120,40 +122,16 @@ def convert(
     is ``model.act_report``. Unknown level: ValueError; bits outside 1..4: ValueError.
     """
     spec = level_spec(level)
+    attention = _check_attention(attention)
     if fewbit_bits is not None:
         fewbit_bits = check_bits(fewbit_bits)
     bits = fewbit_bits if fewbit_bits is not None else default_fewbit_bits(spec)
-    rules = _check_exclude(exclude)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        actcore.convert(model, spec.name, exclude=rules, fewbit_bits=bits)
+    actcore.convert(model, spec.name, exclude=exclude, fewbit_bits=bits)
     core = model.act_report
-    for w in caught:
-        warnings.warn(w.message, w.category, stacklevel=2)
-    report = HFConversionReport(spec.name, dict(core.converted), dict(core.left), fewbit_bits=bits)
-    for name, module in model.named_modules():
-        if name in report.converted or name in report.left:
-            continue
-        if isinstance(module, (QConv1D, Conv1D)):
-            if _excluded(name, module, rules):
-                report.left[name] = "excluded"
-                continue
-            module.__class__ = QConv1D
-            module.act_level = spec.name
-            report.converted[name] = "QConv1D"
-        elif is_fewbit(module) or type(module) in FEWBIT_ACTIVATIONS:
-            if _excluded(name, module, rules):
-                report.left[name] = "excluded"
-            elif bits is None:
-                report.left[name] = f"{spec.name} keeps activation inputs as they are"
-            else:
-                if not is_fewbit(module):
-                    module.__class__ = FEWBIT_ACTIVATIONS[type(module)]
-                module.bits = bits
-                report.converted[name] = type(module).__name__
-        elif not any(True for _ in module.children()) and not _saves_nothing(module):
-            report.left[name] = f"no compressed counterpart for {type(module).__name__}"
-    if attention:
+    report = HFConversionReport(
+        spec.name, dict(core.converted), dict(core.left), core.scope, fewbit_bits=bits
+    )
+    if attention == ATTENTION_NAME:
         for module in model.modules():
             if hasattr(module, "config") and not isinstance(module, QLayer):
                 module.act_attention_level = spec.name
@@ -163,7 +141,3 @@ def convert(
     model.act_report = report
     log.info("%s", report)
     return model
-
-
-def _saves_nothing(module: nn.Module) -> bool:
-    return isinstance(module, _NOTHING_SAVED) or type(module).__name__ in _NOTHING_SAVED_NAMES

@@ -18,8 +18,11 @@ from transformers.pytorch_utils import Conv1D
 
 from actcore.engine import CONV, IDENTITY, stash, unstash
 from actcore.fewbit import TableCode, apply, get_table
-from actcore.layers import QLayer
+from actcore.fewbit.convert import register_activation
+from actcore.layers import QLayer, register_q_layer
 from actcore.layers.functions import guard_input, own_output
+from actcore.layers.recompute import register_recomputed
+from actcore.op_mode import call_outside_modes
 
 __all__ = ["FEWBIT_ACTIVATIONS", "Conv1DFunction", "QConv1D", "fewbit_class_for"]
 
@@ -77,6 +80,10 @@ class _FewBitHF:
     fewbit_name: str = ""
     fewbit_params: tuple[tuple[str, Any], ...] = ()
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # its own tailored treatment: a converted model's functional-op router stays out
+        return call_outside_modes(super().__call__, args, kwargs)  # type: ignore[misc]
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         base = super().forward  # type: ignore[misc]
         return apply(
@@ -125,6 +132,32 @@ for _name, (_table, _params) in _HF_TABLES.items():
     )
     globals()[_qname] = _cls  # importable by name, so pickling works
     FEWBIT_ACTIVATIONS[_base] = _cls
+    register_activation(_base, _cls, smooth=True)  # actcore.convert swaps it
+
+register_q_layer(Conv1D, QConv1D)
+
+# Without few-bit codes, transformers' activations keep their input and are recomputed in
+# backward (their output, saved by the next linear, derives from it): the composite ones
+# (NewGELU's tanh formula, QuickGELU's sigmoid product...) would otherwise keep each step.
+RECOMPUTED_ACTIVATIONS = (
+    "GELUActivation",
+    "ClippedGELUActivation",
+    "FastGELUActivation",
+    "NewGELUActivation",
+    "GELUTanh",
+    "PytorchGELUTanh",
+    "AccurateGELUActivation",
+    "LaplaceActivation",
+    "MishActivation",
+    "QuickGELUActivation",
+    "ReLUSquaredActivation",
+    "SiLUActivation",
+    "SqrtSoftplusActivation",
+)
+for _name in RECOMPUTED_ACTIVATIONS:
+    _base = getattr(hf_activations, _name, None)
+    if isinstance(_base, type):
+        register_recomputed(_base)
 
 
 def fewbit_class_for(module: nn.Module) -> type[nn.Module] | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -12,14 +12,11 @@ from torch_geometric.nn import MessagePassing
 
 import actcore
 from actcore.config import level_spec
-from actcore.convert import check_exclude
-from actcore.convert import is_excluded as _excluded
+from actcore.walker import Exclude
 
 from .convs import CONVERTED, QMessagePassing, unsupported_reason
 
 log = logging.getLogger("act_pyg")
-
-Exclude = str | type | Callable[[str, nn.Module], bool]
 
 
 @dataclass
@@ -100,14 +97,11 @@ def convert(
     projection = _check_projection(random_projection)
     if attention_bits is not None:
         actcore.ops.api.check_bits(attention_bits, "attention_bits")
-    rules = check_exclude(exclude)
     report = ConversionReport(spec.name, random_projection=projection)
-    for name, module in gnn.named_modules():
+
+    def convert_message_passing(name: str, module: nn.Module) -> str | None:
         if not isinstance(module, MessagePassing):
-            continue
-        if _excluded(name, module, rules):
-            report.left[name] = "excluded"
-            continue
+            return None
         if isinstance(module, QMessagePassing):
             target = type(module)
         else:
@@ -120,23 +114,20 @@ def convert(
                     else f"{type(module).__name__} has no converted version"
                 )
                 report.hooks[name] = f"{type(module).__name__} ({why})"
-                continue
+                return None  # the scope compresses what it saves
             reason = unsupported_reason(module)
             if reason is not None:
                 report.hooks[name] = f"{type(module).__name__} ({reason})"
-                continue
+                return None
             module.__class__ = target
         module.act_level = spec.name
         module.act_projection = projection
         module.act_attention_bits = attention_bits
-        report.converted[name] = target.__name__
-    actcore.convert(gnn, spec.name, exclude=rules)
+        return target.__name__
+
+    actcore.convert(gnn, spec.name, exclude=exclude, converters=[convert_message_passing])
     core = gnn.act_report
-    for name, cls in core.converted.items():
-        report.converted.setdefault(name, cls)
-    for name, why in core.left.items():
-        report.left.setdefault(name, why)
-    report.scope = core.scope
+    report.converted, report.left, report.scope = core.converted, core.left, core.scope
     gnn.act_report = report
     log.info("%s", report)
     return gnn

@@ -78,6 +78,7 @@ from .compressors import (
     sample_range_weights,
 )
 from .config import config
+from .engine import CONV, NORM
 
 _DEFAULT_WINDOW = 4
 
@@ -279,11 +280,16 @@ class AdaptiveBits:
     # --- wiring ----------------------------------------------------------------------------
 
     def attach(self, model: nn.Module) -> AdaptiveBits:
-        """Become the ``act_scheme`` of every compressing Q-layer of ``model``."""
+        """Become the ``act_scheme`` of every Q-layer of ``model`` that keeps conv/linear or
+        batch-norm inputs (``act_adaptive_bits``: row norms keep the level's own bits)."""
         from .layers.modules import QLayer
 
         for name, module in model.named_modules():
-            if isinstance(module, QLayer) and getattr(module, "weight", None) is not None:
+            if (
+                isinstance(module, QLayer)
+                and getattr(module, "weight", None) is not None
+                and module.act_adaptive_bits
+            ):
                 module.act_scheme = self
                 module.act_name = name
                 self.layers.setdefault(name, _LayerStats())
@@ -371,8 +377,8 @@ class AdaptiveBits:
     ) -> Compressor | None:
         """The compressor for ``x`` under the current plan (``bits``: before any plan)."""
         name = getattr(layer, "act_name", None)
-        if name is None or x.dim() == 0 or x.shape[0] == 0:
-            return None
+        if name is None or x.dim() == 0 or x.shape[0] == 0 or role not in (CONV, NORM):
+            return None  # (row norms, activations: the level's own bits)
         stats = self.layers.setdefault(name, _LayerStats())
         gs = config.group_size
         n = x.shape[0]

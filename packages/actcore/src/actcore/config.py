@@ -14,24 +14,56 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+_SAME = -1  # a per-kind bits field that follows another one (see LevelSpec)
+
 
 @dataclass(frozen=True)
 class LevelSpec:
-    """What one optimization level does to the activations Q-layers save."""
+    """What one optimization level does to each kind of tensor a model keeps for backward.
+
+    ``conv_bits``: inputs of conv/linear layers and attention's q, k, v; ``norm_bits``:
+    inputs of batch norm; ``row_norm_bits``: inputs of norms over each sample's features
+    (layer, group, RMS norms, and ``F.normalize``'s unit vectors); ``activation_bits``:
+    inputs of smooth activations (their outputs derive from them); ``other_bits``: every
+    other tensor the forward saves (products' operands, inline attention scores...). None
+    keeps a kind in full precision; the last three follow ``norm_bits``/``conv_bits``
+    unless given.
+    """
 
     name: str
     conv_bits: int | None  # inputs of conv/linear layers; None keeps full precision
-    norm_bits: int | None  # inputs of batch/layer/group norm layers
+    norm_bits: int | None  # inputs of batch-norm layers
     zero_value: bool = False  # a ReLU output saved by the next layer keeps only its nonzeros
     adaptive: bool = False  # per-sample / per-layer bits around the average
     micro_batches: int = 1  # conv backward in this many micro-batches (cuts workspace)
     swap: bool = False  # saved tensors go to pinned CPU memory, prefetched in backward
     expandable_segments: bool = False  # PyTorch's allocator setting against fragmentation
     summary: str = ""
+    row_norm_bits: int | None = _SAME  # layer / group / RMS norm inputs (default: norm_bits)
+    activation_bits: int | None = _SAME  # smooth-activation inputs (default: conv_bits)
+    other_bits: int | None = _SAME  # everything else the forward saves (default: conv_bits)
+
+    def __post_init__(self) -> None:
+        for name, same in (
+            ("row_norm_bits", self.norm_bits),
+            ("activation_bits", self.conv_bits),
+            ("other_bits", self.conv_bits),
+        ):
+            if getattr(self, name) == _SAME:
+                object.__setattr__(self, name, same)
 
     @property
     def compresses(self) -> bool:
-        return self.conv_bits is not None or self.norm_bits is not None
+        return any(
+            b is not None
+            for b in (
+                self.conv_bits,
+                self.norm_bits,
+                self.row_norm_bits,
+                self.activation_bits,
+                self.other_bits,
+            )
+        )
 
 
 _L3 = LevelSpec(
@@ -40,7 +72,13 @@ _L3 = LevelSpec(
     norm_bits=2,
     zero_value=True,
     adaptive=True,
-    summary="2 bits on average, per-sample/per-layer adaptive; ReLU outputs keep only nonzeros",
+    summary=(
+        "conv/linear and batch-norm inputs at 2 bits on average, per-sample/per-layer "
+        "adaptive; ReLU outputs keep only nonzeros; row norms, activations and the rest at 4"
+    ),
+    row_norm_bits=4,
+    activation_bits=4,
+    other_bits=4,
 )
 
 LEVELS: dict[str, LevelSpec] = {
@@ -50,7 +88,11 @@ LEVELS: dict[str, LevelSpec] = {
             "L0", None, None, summary="no compression; masks and pooling indices still compact"
         ),
         LevelSpec(
-            "L1", 4, None, summary="4-bit conv/linear inputs, normalization in full precision"
+            "L1",
+            4,
+            None,
+            summary="4-bit conv/linear inputs, normalization in full precision",
+            row_norm_bits=None,
         ),
         LevelSpec("L2", 4, 4, summary="4-bit conv/linear and normalization inputs"),
         _L3,

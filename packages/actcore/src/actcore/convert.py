@@ -7,10 +7,8 @@ parameters (and so optimizer state), buffers, hooks and ``state_dict`` keys stay
 from __future__ import annotations
 
 import copy
-import fnmatch
 import logging
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,15 +16,32 @@ from torch import nn
 
 from .compressors import IDENTITY, Compressor, Quantize, ZeroValue
 from .config import LevelSpec, config, level_spec
-from .fewbit.convert import SMOOTH_LEFT, fewbit_target, is_fewbit, swap_activation
+from .fewbit.convert import (
+    SMOOTH_LEFT,
+    fewbit_target,
+    fewbit_target_of,
+    is_fewbit,
+    swap_activation,
+)
 from .layers.modules import Q_LAYERS, QLayer, unsupported_reason
+from .layers.recompute import RecomputedModule, recomputed_class
 from .policies import POLICY_OPTIONS, Policy, check_iteration, make_policy
 from .rng import attach_stream
 from .scope import attach_scope, detach_scope
+from .walker import Converter, Exclude, Left, check_exclude, is_excluded, walk
+
+__all__ = [
+    "ConversionReport",
+    "Exclude",
+    "PolicyScheme",
+    "QModule",
+    "check_exclude",
+    "convert",
+    "default_fewbit_bits",
+    "is_excluded",
+]
 
 log = logging.getLogger("actcore")
-
-Exclude = str | type | Callable[[str, nn.Module], bool]
 
 
 @dataclass
@@ -46,44 +61,20 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def is_excluded(name: str, module: nn.Module, exclude: Iterable[Exclude]) -> bool:
-    """Whether ``exclude`` (names or fnmatch patterns, types, predicates) names ``module``."""
-    for rule in exclude:
-        if isinstance(rule, str) and (fnmatch.fnmatchcase(name, rule) or name == rule):
-            return True
-        if isinstance(rule, type) and isinstance(module, rule):
-            return True
-        if callable(rule) and not isinstance(rule, type) and rule(name, module):
-            return True
-    return False
-
-
-def check_exclude(exclude: str | Iterable[Exclude]) -> tuple[Exclude, ...]:
-    """``exclude`` as a tuple of rules, or TypeError naming a rule that is none of the kinds."""
-    rules = (exclude,) if isinstance(exclude, str) else tuple(exclude)
-    for rule in rules:
-        if not (isinstance(rule, (str, type)) or callable(rule)):
-            raise TypeError(
-                "exclude takes module names (fnmatch patterns), module types or "
-                f"predicates (name, module) -> bool; got {rule!r}"
-            )
-    return rules
-
-
 _DEFAULT = object()
 
 
 def default_fewbit_bits(spec: LevelSpec) -> int | None:
-    """Derivative bits of smooth activations (GELU, SiLU, tanh, ...) at a level.
+    """Derivative bits of smooth activations (GELU, SiLU, tanh, ...) by default: None.
 
-    None (activations keep their input as the level keeps other tensors) at levels that
-    keep linear inputs in full precision (L0, swap); 4 at 4-bit levels (L1, L2); 3 at 2-bit
-    levels (L3 and up): FewBit's default, whose optimal 3-bit GELU derivative trains as the
-    exact one does in its authors' experiments, at 3/32 of float32's memory.
+    By default a smooth activation keeps its input at the level's bits and is recomputed in
+    backward, its output derived from that input (:mod:`actcore.layers.recompute`): the
+    next layer, which saves the output, then stores nothing of its own. A few-bit derivative
+    code (``fewbit_bits=k``, FewBit) keeps ``k`` bits and the next layer its own copy of the
+    output: more bytes in total whenever the output is saved downstream (always, in MLPs
+    and convolutional blocks). ``spec`` is accepted for adapters that tie it to a level.
     """
-    if spec.conv_bits is None:
-        return None
-    return 4 if spec.conv_bits >= 4 else 3
+    return None
 
 
 def convert(
@@ -96,6 +87,7 @@ def convert(
     layers_only: bool = False,
     policy: str | Policy | None = None,
     seed: int | None = None,
+    converters: Sequence[Converter] = (),
     **policy_options: Any,
 ) -> nn.Module:
     """Compress what ``model`` keeps for backward at ``level`` (default: ``config.level``).
@@ -114,10 +106,11 @@ def convert(
     a Q-layer cannot take is left as it is, with a warning. The :class:`ConversionReport`
     is the returned model's ``act_report`` attribute (and logged).
 
-    ``fewbit_bits`` (1..4, default :func:`default_fewbit_bits` of the level: 3 at L3):
-    smooth activations (GELU, SiLU, Tanh, Sigmoid, ELU, Mish, Softplus, Hardswish, ...)
-    become :mod:`actcore.fewbit` modules that keep a ``fewbit_bits``-bit derivative index per
-    element instead of their input; with None they are left (and the report says so).
+    ``fewbit_bits`` (1..4, default None): smooth activations (GELU, SiLU, Tanh, Sigmoid,
+    ELU, Mish, Softplus, Hardswish, ...) become :mod:`actcore.fewbit` modules that keep a
+    ``fewbit_bits``-bit derivative index per element instead of their input; with None they
+    keep their input at the level's bits, recomputed in backward, and the next layer refers
+    to it (see :func:`default_fewbit_bits`).
     Threshold, Hardsigmoid, Hardshrink and Softshrink always become their few-bit forms (an
     exact 1-bit mask).
 
@@ -127,6 +120,9 @@ def convert(
     adaptive bits); the level still says which roles are compressed and whether to swap.
     The model's ``act_policy`` (a :class:`PolicyScheme`) then offers ``iterate(backprop)``
     and ``state_dict()`` as :class:`actcore.Controller` does.
+
+    ``converters`` (for adapters): tried before the Q-layer swap on every module that is not
+    excluded (see :func:`actcore.walker.walk`).
 
     ``seed``: of the model's own stream of rounding seeds (``model.act_rng``, see
     :mod:`actcore.rng`; default: from torch's generator state now, without drawing from it).
@@ -145,72 +141,70 @@ def convert(
         from .allocator import enable_expandable_segments
 
         enable_expandable_segments()
-    exclude = check_exclude(exclude)
     if not inplace:
         model = copy.deepcopy(model)
     report = ConversionReport(spec.name)
-    excluded: dict[str, nn.Module] = {}
-    for name, module in model.named_modules():
-        if exclude and name and _excluded_here(name, module, exclude, excluded, report):
-            continue
-        if isinstance(module, QLayer):
-            module.act_level = spec.name
-            module.act_name = name  # errors name the layer
-            report.converted[name] = type(module).__name__
-            continue
-        if fewbit_target(module)[0] is not None or is_fewbit(module):
-            _swap_activation(name, module, fewbit_bits, report)
-            continue
-        target = Q_LAYERS.get(type(module))
-        if target is None:
-            if any(isinstance(module, base) for base in Q_LAYERS):
-                report.left[name] = f"a subclass of {_base_name(module)} with its own behaviour"
-            continue
-        reason = unsupported_reason(module)
-        if reason is not None:
-            report.left[name] = reason
-            warnings.warn(
-                f"actcore.convert left {name or '<root>'} unconverted: {reason}", stacklevel=2
-            )
-            continue
-        module.__class__ = target
-        module.act_level = spec.name
-        module.act_name = name
-        report.converted[name] = target.__name__
+
+    def on_excluded(name: str, module: nn.Module) -> None:
+        if isinstance(module, QLayer):  # converted before: keeps its tensors as torch does
+            module.act_level = "L0"
+
+    done = walk(
+        model,
+        [*converters, q_layer_converter(spec, fewbit_bits, scope=not layers_only)],
+        exclude=exclude,
+        on_excluded=on_excluded,
+    )
+    report.converted, report.left = done.converted, done.left
     attach_stream(model, seed)
     _set_adaptive(model, spec.adaptive and scheme is None)
     _set_policy(model, scheme)
     if layers_only or not (spec.compresses or spec.swap):
         detach_scope(model)
     else:
-        attach_scope(model, spec, fewbit_bits=fewbit_bits, excluded=list(excluded.values()))
+        attach_scope(model, spec, fewbit_bits=fewbit_bits, excluded=list(done.excluded.values()))
     report.scope = None if layers_only else repr(getattr(model, "act_scope", None))
     model.act_report = report
     log.info("%s", report)
     return model
 
 
-def _excluded_here(
-    name: str,
-    module: nn.Module,
-    rules: tuple[Exclude, ...],
-    excluded: dict[str, nn.Module],
-    report: ConversionReport,
-) -> bool:
-    """Whether ``module`` is excluded (by a rule, or inside an excluded module); records it.
+def q_layer_converter(spec: LevelSpec, fewbit_bits: int | None, scope: bool = True) -> Converter:
+    """The converter of :func:`convert`: standard layers to Q-layers at ``spec`` (and the
+    registered ones, :func:`actcore.layers.register_q_layer`), activations to their few-bit
+    forms (:func:`actcore.fewbit.convert.swap_activation`) when ``fewbit_bits`` is given.
+    With the ``scope``, torch's smooth activations need nothing: the scope routes the
+    functional they call."""
 
-    ``excluded`` collects the modules a rule named (their forward runs with the hooks
-    suspended, which covers everything inside them).
-    """
-    inside = any(name.startswith(f"{outer}.") for outer in excluded)
-    if not inside and not is_excluded(name, module, rules):
-        return False
-    if not inside:
-        excluded[name] = module
-    report.left[name] = "excluded"
-    if isinstance(module, QLayer):  # converted before: it keeps its tensors as torch does
-        module.act_level = "L0"
-    return True
+    def convert_one(name: str, module: nn.Module) -> str | Left | None:
+        if isinstance(module, RecomputedModule) and fewbit_bits is not None:
+            source = module.act_source_class
+            if fewbit_target_of(source)[0] is not None:
+                module.__class__ = source  # converted again with few-bit codes
+        if isinstance(module, QLayer):
+            module.act_level, module.act_name = spec.name, name  # errors name the layer
+            return type(module).__name__
+        if fewbit_target(module)[0] is not None or is_fewbit(module):
+            new = swap_activation(module, fewbit_bits)
+            if new is not None:
+                return new
+        target = Q_LAYERS.get(type(module)) or recomputed_class(module)
+        if target is None and fewbit_target(module)[0] is not None:
+            # torch's smooth activations call their functional, which the scope routes
+            return None if scope else Left(SMOOTH_LEFT)
+        if target is None:
+            base = next((b for b in Q_LAYERS if isinstance(module, b)), None)
+            if base is None:
+                return None
+            return Left(f"a subclass of {base.__name__} with its own behaviour")
+        reason = unsupported_reason(module)
+        if reason is not None:
+            return Left(reason, warn=True)
+        module.__class__ = target
+        module.act_level, module.act_name = spec.name, name
+        return target.__name__
+
+    return convert_one
 
 
 def _check_model(model: Any) -> None:
@@ -224,14 +218,6 @@ def _check_model(model: Any) -> None:
             "its forward is compiled TorchScript that ignores Q-layers and saved-tensor hooks; "
             "convert the Python model first, then script or trace it if you must"
         )
-
-
-def _swap_activation(name: str, module: nn.Module, bits: int | None, report: ConversionReport):
-    new = swap_activation(module, bits)
-    if new is None:
-        report.left[name] = SMOOTH_LEFT
-    else:
-        report.converted[name] = new
 
 
 def _set_adaptive(model: nn.Module, adaptive: bool) -> None:
@@ -408,10 +394,6 @@ class _Recorded(Compressor):
 
     def key(self) -> tuple:
         return (self.name, self.stat_key, *self.inner.key())
-
-
-def _base_name(module: nn.Module) -> str:
-    return next(base.__name__ for base in Q_LAYERS if isinstance(module, base))
 
 
 def QModule(model: nn.Module) -> nn.Module:

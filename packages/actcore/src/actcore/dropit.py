@@ -67,6 +67,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from actcore import ops
+from actcore.walker import Left, walk
 
 __all__ = [
     "STRATEGIES",
@@ -589,18 +590,6 @@ def _own_skip_reason(name: str, module: nn.Module, patterns: tuple[str, ...]) ->
     return None
 
 
-def _inherited_skip(name: str, marked: dict[str, str]) -> str | None:
-    """The reason an enclosing module was skipped for, if any (named_modules is pre-order)."""
-    if "" in marked and name:
-        return f"inside skipped (root): {marked['']}"
-    parts = name.split(".")
-    for i in range(1, len(parts)):
-        parent = ".".join(parts[:i])
-        if parent in marked:
-            return f"inside skipped {parent!r}: {marked[parent]}"
-    return None
-
-
 def to_dropit(
     model: nn.Module,
     strategy: str = "mink",
@@ -644,36 +633,47 @@ def to_dropit(
     table = _conversions()
     supported = tuple(table)
     report = DropITReport(strategy, gamma, model=model)
-    marked: dict[str, str] = {}
-    for name, module in model.named_modules():
-        reason = _inherited_skip(name, marked)
-        if reason is None:
-            reason = _own_skip_reason(name, module, patterns)
-            if reason is not None:
-                marked[name] = reason
+
+    def convert_one(name: str, module: nn.Module) -> str | Left | None:
         if isinstance(module, _DropITMixin):
-            if reason is None:
-                module.dropit_configure(strategy, gamma)
-                report.converted.append(name)
-            else:
-                _make_plain(module)
-                report.skipped[name] = f"{reason} (made plain again)"
-            continue
+            module.dropit_configure(strategy, gamma)
+            return type(module).__name__
         if not isinstance(module, supported):
-            continue
+            return None
         target = table.get(type(module))
-        if reason is None and target is None:
+        if target is None:
             base = next(cls for cls in supported if isinstance(module, cls))
-            reason = (
+            return Left(
                 f"{type(module).__name__} is a subclass of {base.__name__} "
                 "(only exact classes are converted)"
             )
-        if reason is not None:
-            report.skipped[name] = reason
-            continue
         module.__class__ = target
         module.dropit_configure(strategy, gamma)
-        report.converted.append(name)
+        return target.__name__
+
+    excluded: set[str] = set()
+
+    def make_plain(name: str, module: nn.Module) -> None:
+        if isinstance(module, _DropITMixin):
+            _make_plain(module)
+            excluded.add(name)
+
+    done = walk(
+        model,
+        [convert_one],
+        exclude=lambda name, module: _own_skip_reason(name, module, patterns),
+        inside=lambda outer, why: (
+            f"inside skipped (root): {why}" if outer == "" else f"inside skipped {outer!r}: {why}"
+        ),
+        on_excluded=make_plain,
+    )
+    report.converted.extend(done.converted)
+    modules = dict(model.named_modules())
+    for name, why in done.left.items():
+        if name in excluded:
+            report.skipped[name] = f"{why} (made plain again)"
+        elif isinstance(modules[name], supported):
+            report.skipped[name] = why
     if example_inputs is None:
         if revert_unreal:
             raise ValueError("revert_unreal=True needs example_inputs to measure the saving")

@@ -16,13 +16,30 @@ from typing import Any
 
 import torch
 
-from .compressors import IDENTITY, Compressor, Quantize, Swap, Tensors, ZeroValue
+from .compressors import IDENTITY, Compressor, Derived, Quantize, Swap, Tensors, ZeroValue
 from .config import LevelSpec, config, level_spec
 
 CONV = "conv"  # inputs of conv / linear layers
 NORM = "norm"  # inputs of normalization layers
-NORMALIZED = "normalized"  # unit vectors (F.normalize outputs): at least NORMALIZED_BITS
-NORMALIZED_BITS = 4
+ROW_NORM = "row_norm"  # inputs of layer / group / RMS norms, F.normalize's unit vectors
+ACTIVATION = "activation"  # inputs of smooth activations (their outputs derive from them)
+OTHER = "other"  # anything else the forward saves (the saved-tensor hooks' tensors)
+NORMALIZED = ROW_NORM  # (the unit vectors of F.normalize are kept as row-norm inputs)
+
+
+def role_bits(spec: LevelSpec, role: str) -> int | None:
+    """The bits ``spec`` gives a tensor of ``role`` (None: kept as it is)."""
+    if role == CONV:
+        return spec.conv_bits
+    if role == NORM:
+        return spec.norm_bits
+    if role == ROW_NORM:
+        return spec.row_norm_bits
+    if role == ACTIVATION:
+        return spec.activation_bits
+    if role == OTHER:
+        return spec.other_bits
+    raise ValueError(f"unknown role {role!r}")
 
 
 class _TensorTable:
@@ -55,6 +72,11 @@ class _TensorTable:
 
 
 _records = _TensorTable()
+
+
+def records() -> _TensorTable:
+    """The per-tensor records (packings, masks, what a tensor derives from)."""
+    return _records
 
 
 def note_mask(output: torch.Tensor, packed_mask: torch.Tensor) -> None:
@@ -104,11 +126,7 @@ def choose(layer: Any, role: str, x: torch.Tensor) -> Compressor:
     spec = layer_spec(layer)
     if in_checkpoint():
         return IDENTITY
-    bits = spec.conv_bits if role == CONV else spec.norm_bits
-    if role == NORMALIZED and bits is not None:
-        # a projection onto the unit vector (its backward) cancels most of the gradient:
-        # the rounding error of the vector is not averaged out as a linear input's is
-        bits = max(bits, NORMALIZED_BITS)
+    bits = role_bits(spec, role)
     if bits is None or x.numel() < config.min_numel or not x.is_floating_point():
         base: Compressor = IDENTITY
     else:
@@ -140,23 +158,47 @@ def observe(
         scheme.observe(layer, grad, kernel, channel_dim, norm)
 
 
-def stash(ctx: Any, layer: Any, items: Sequence[tuple[torch.Tensor | None, str | Compressor]]):
-    """Pack and save ``items`` (tensor, role or compressor) on ``ctx`` for :func:`unstash`."""
+def stash(
+    ctx: Any, layer: Any, items: Sequence[tuple[torch.Tensor | None, str | Compressor]]
+) -> list[Part | None]:
+    """Pack and save ``items`` (tensor, role or compressor) on ``ctx`` for :func:`unstash`;
+    returns each item's packing (None for a None item)."""
     tensors: list[torch.Tensor] = []
     plan: list[tuple[int, Compressor | None, Any]] = []
+    parts: list[Part | None] = []
     for x, how in items:
         if x is None:
             plan.append((0, None, None))
+            parts.append(None)
             continue
         comp = how if isinstance(how, Compressor) else choose(layer, how, x)
         comp, packed, meta = _pack_once(comp, x)
         plan.append((len(packed), comp, meta))
+        parts.append((comp, tuple(packed), meta))
         tensors.extend(packed)
     for t in tensors:  # saved-tensor hooks must keep these as they are: see is_stashed
         _records.setdefault(t)["stashed"] = True
     ctx.save_for_backward(*tensors)
     ctx.act_plan = plan
     ctx.act_layer = layer
+    return parts
+
+
+def derive_output(ctx: Any, fn: Any, parts: Sequence[Part | None]) -> None:
+    """In an autograd function's forward: its output is ``fn(*restored parts)`` (None parts
+    stand for None arguments); recorded on the output by :func:`note_output` once ``apply``
+    has returned it."""
+    ctx.act_derive = (fn, tuple(parts))
+
+
+def note_output(out: Any) -> Any:
+    """After ``apply``: record what ``out`` derives from (see :func:`derive_output`)."""
+    node = getattr(out, "grad_fn", None)
+    found = getattr(node, "act_derive", None)
+    if found is not None:
+        node.act_derive = None
+        derive(out, *found)
+    return out
 
 
 def is_stashed(t: torch.Tensor) -> bool:
@@ -184,6 +226,8 @@ def _pack_once(comp: Compressor, x: torch.Tensor) -> tuple[Compressor, Tensors, 
     earlier = _live(record.get(comp.key()))
     if earlier is None and comp.lossy:
         earlier = _live(record.get(_FIRST))
+        if earlier is None:
+            earlier = _derived(record)
     if earlier is not None:
         return earlier
     tensors, meta = comp.pack(x)
@@ -192,6 +236,8 @@ def _pack_once(comp: Compressor, x: torch.Tensor) -> tuple[Compressor, Tensors, 
 
 
 _FIRST = "first lossy packing"
+_DERIVED = "derived from"
+_KEPT = "kept as it is"
 
 
 def _live(entry: Any) -> tuple[Compressor, Tensors, Any] | None:
@@ -221,10 +267,103 @@ def remember_packing(
         record[_FIRST] = entry
 
 
-def packing_of(x: torch.Tensor) -> tuple[Compressor, Tensors, Any] | None:
-    """The first lossy packing of ``x`` (unchanged since) that is still held, if any."""
+Part = tuple[Compressor, Tensors, Any]
+"""A packing: the compressor, its tensors, its meta (``comp.unpack(tensors, meta)``)."""
+
+
+def packing_of(x: torch.Tensor) -> Part | None:
+    """A lossy packing of ``x`` (unchanged since) still held: its own first one, else a
+    :class:`~actcore.compressors.Derived` one (``x`` rebuilt from the packings it was made
+    from, see :func:`derive`); None if neither."""
     record = _records.get(x)
-    return None if record is None else _live(record.get(_FIRST))
+    if record is None:
+        return None
+    found = _live(record.get(_FIRST))
+    return found if found is not None else _derived(record)
+
+
+def source_part(x: torch.Tensor) -> Part | None:
+    """How ``x`` can be restored in backward, if it can: a packing of it, or ``x`` itself
+    when it is held exact anyway (parameters, buffers, tensors a save kept as they are)."""
+    found = packing_of(x)
+    if found is not None:
+        return found
+    record = _records.get(x)
+    if isinstance(x, torch.nn.Parameter) or (record is not None and record.get(_KEPT)):
+        return IDENTITY, (x,), None
+    return None
+
+
+def note_kept(x: torch.Tensor) -> None:
+    """Record that a save keeps ``x`` as it is (so a derived tensor may refer to it)."""
+    _records.setdefault(x)[_KEPT] = True
+
+
+def derive(out: torch.Tensor, fn: Any, parts: Sequence[Part | None]) -> None:
+    """Record that ``out`` is ``fn(*restored parts)`` (a None part is passed as None; parts
+    are held weakly: this never extends their life).
+
+    A later save of ``out`` (a Q-layer's stash, the saved-tensor hooks) keeps a reference to
+    these packings instead of a copy of its own: normalization and activation outputs,
+    products of saved operands, dropout outputs cost no memory of their own.
+    """
+    entry = (
+        fn,
+        tuple(
+            None if part is None else (part[0], tuple(weakref.ref(t) for t in part[1]), part[2])
+            for part in parts
+        ),
+    )
+    _records.setdefault(out)[_DERIVED] = entry
+
+
+def derive_from(out: torch.Tensor, fn: Any, sources: Sequence[Any]) -> bool:
+    """:func:`derive` ``out = fn(*sources)`` if every tensor source can be restored (non-tensor
+    sources are constants); returns whether it could."""
+    parts: list[Part] = []
+    constants: list[Any] = []
+    for src in sources:
+        if isinstance(src, torch.Tensor):
+            part = source_part(src)
+            if part is None:
+                return False
+            parts.append(part)
+            constants.append(None)
+        else:
+            constants.append(src)
+    if all(c is None for c in constants):
+        derive(out, fn, parts)
+        return True
+
+    def with_constants(*restored: torch.Tensor, _fn=fn, _constants=tuple(constants)):
+        it = iter(restored)
+        return _fn(*(next(it) if c is None else c for c in _constants))
+
+    derive(out, with_constants, parts)
+    return True
+
+
+def _derived(record: dict) -> Part | None:
+    entry = record.get(_DERIVED)
+    if entry is None:
+        return None
+    fn, parts = entry
+    comps, tensors, metas, counts = [], [], [], []
+    for part in parts:
+        if part is None:
+            comps.append(None)
+            metas.append(None)
+            counts.append(0)
+            continue
+        comp, refs, meta = part
+        held = tuple(ref() for ref in refs)
+        if any(t is None for t in held):
+            return None
+        comps.append(comp)
+        tensors.extend(held)
+        metas.append(meta)
+        counts.append(len(held))
+    return Derived(fn, tuple(comps)), tuple(tensors), (tuple(metas), tuple(counts))
 
 
 def mask_of(x: torch.Tensor) -> torch.Tensor | None:

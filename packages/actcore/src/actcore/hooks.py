@@ -417,10 +417,14 @@ class SavedTensorCompressor:
 
     def _passthrough(self, t: Tensor, note: bool) -> _Handle:
         h = _Handle()
-        h.tensor = t.detach()
+        # a tensor outside the graph is held as the very object (a Q-layer's packed tensors
+        # must stay the objects engine's records refer to, so later saves reuse them)
+        h.tensor = t.detach() if t.requires_grad else t
         h.version = t._version
         if note:
             memory.note_saved(h.tensor)
+            if self.tailored and t.is_floating_point():
+                engine.note_kept(t)  # a tensor derived from it may refer to it
         return h
 
     def _keeps_exact(self, t: Tensor) -> bool:

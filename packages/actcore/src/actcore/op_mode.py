@@ -179,6 +179,8 @@ class OpMode(ExactOps):
         out = func(*args, **kwargs)
         if self.marks is not None:
             self.marks.follow(out, args, kwargs)
+        if self.router is not None:
+            self.router.after(func, args, kwargs, out)
         return out
 
 

@@ -20,6 +20,9 @@ in-place forms), ``F.relu6``, ``F.hardtanh``,           that the next layer save
 ``Tensor.`` forms)
 ``F.layer_norm``, ``F.group_norm``, ``F.batch_norm``,   the normalized input at the level's
 ``F.rms_norm``                                          norm bits, exact statistics
+``F.cross_entropy`` (class indices)                     the head linear's input and weight, to
+                                                        recompute the logits exactly (else the
+                                                        logits at 8 bits; :mod:`actcore.loss`)
 ``F.scaled_dot_product_attention``,                     q, k, v at the level's bits; backward
 ``F.multi_head_attention_forward``                      reruns the same kernel on them
 (``nn.MultiheadAttention``)                             (:mod:`actcore.attention`,
@@ -41,8 +44,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import LevelSpec
-from .engine import NORMALIZED
+from .engine import NORMALIZED, derive_from, note_output
 from .fewbit import functional as FB
+from .layers.recompute import recompute
 
 __all__ = ["FunctionalLayer", "FunctionalRouter"]
 
@@ -135,15 +139,19 @@ def _fewbit(fn: Callable[..., Tensor], names: tuple[str, ...], smooth: bool = Tr
         x = args[0] if args else kwargs.get("input")
         if not _saves(x):
             return NotImplemented
-        bits = router.fewbit_bits if smooth else 1
-        if bits is None:
-            return NotImplemented
         unknown = set(kwargs) - {"input", *names}
         if unknown or len(args) > 1 + len(names):
             return NotImplemented
         params = {n: kwargs[n] for n in names if n in kwargs}
         params.update(zip(names, args[1:], strict=False))
-        return fn(x, **params, bits=bits)
+        bits = router.fewbit_bits if smooth else 1
+        if bits is not None:
+            return fn(x, **params, bits=bits)
+        if params.get("inplace") or router.spec.conv_bits is None:
+            return NotImplemented
+        name = fn.__name__
+        torch_fn = getattr(torch, name) if name in ("sigmoid", "tanh") else getattr(F, name)
+        return recompute(x, lambda t: torch_fn(t, **params), router.layer)
 
     return handle
 
@@ -171,7 +179,7 @@ def _layer_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
     shape = list(_arg(args, kwargs, 1, "normalized_shape", None))
     eps = float(_arg(args, kwargs, 4, "eps", 1e-5))
     x, weight, bias = autocast_inputs("layer_norm", *found)
-    return LayerNormFunction.apply(x, shape, weight, bias, eps, router.layer)
+    return note_output(LayerNormFunction.apply(x, shape, weight, bias, eps, router.layer))
 
 
 def _group_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
@@ -225,7 +233,7 @@ def _rms_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
         return NotImplemented
     shape = list(_arg(args, kwargs, 1, "normalized_shape", None))
     eps = _arg(args, kwargs, 3, "eps", None)
-    return RMSNormFunction.apply(x, shape, weight, eps, router.layer)
+    return note_output(RMSNormFunction.apply(x, shape, weight, eps, router.layer))
 
 
 def _normalize(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
@@ -257,7 +265,7 @@ def _plain_float(x: Any) -> bool:
 
 def _dropout(p_index: int, train_index: int, inplace: Callable[[tuple, dict], bool]) -> _Handler:
     def handle(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-        from .layers.functions import DropoutFunction
+        from .layers.functions import DropoutFunction, note_dropout_output
 
         x = args[0] if args else kwargs.get("input")
         p = _arg(args, kwargs, p_index, "p", 0.5)
@@ -266,7 +274,9 @@ def _dropout(p_index: int, train_index: int, inplace: Callable[[tuple, dict], bo
             train = args[train_index]
         if not (_saves(x) and train and isinstance(p, (int, float)) and 0 < p < 1):
             return NotImplemented
-        return DropoutFunction.apply(x, float(p), inplace(args, kwargs), router.layer)
+        return note_dropout_output(
+            DropoutFunction.apply(x, float(p), inplace(args, kwargs), router.layer)
+        )
 
     return handle
 
@@ -304,6 +314,46 @@ def _multi_head(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
     if not all(type(t) in _PLAIN and t.layout == torch.strided for t in tensors):
         return NotImplemented
     return multi_head_attention(router.layer, args, kwargs)
+
+
+# ---- the loss: neither logits nor log-probabilities kept -----------------------------------
+
+_CE_OPTIONS = ("weight", "ignore_index", "reduction", "label_smoothing")
+
+
+def _cross_entropy(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
+    from .loss import CrossEntropyFunction, linear_source
+
+    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
+    bound = {n: kwargs[n] for n in (*names, "label_smoothing") if n in kwargs}
+    bound.update(zip(names, args, strict=False))
+    if set(kwargs) - {*names, "label_smoothing"} or len(args) > len(names):
+        return NotImplemented
+    x, target = bound.get("input"), bound.get("target")
+    if router.spec.conv_bits is None or not _saves(x) or not isinstance(target, Tensor):
+        return NotImplemented
+    if bound.get("size_average") is not None or bound.get("reduce") is not None:
+        return NotImplemented
+    if x.dim() != 2 or target.dim() != 1 or target.is_floating_point():
+        return NotImplemented  # class probabilities, spatial losses: torch's own
+    options = {n: bound[n] for n in _CE_OPTIONS if n in bound}
+    return CrossEntropyFunction.apply(x, target, options, linear_source(x), router.layer)
+
+
+def _cast(router: FunctionalRouter, args: tuple, kwargs: dict, func: Any) -> Any:
+    from .loss import note_cast
+
+    out = func(*args, **kwargs)
+    x = args[0] if args else None
+    if (
+        isinstance(out, Tensor)
+        and isinstance(x, Tensor)
+        and out is not x
+        and out.shape == x.shape
+        and out.requires_grad
+    ):
+        note_cast(out, x)
+    return out
 
 
 def _table() -> dict[Any, _Handler]:
@@ -349,6 +399,9 @@ def _table() -> dict[Any, _Handler]:
     for fn in (torch.tanh, T.tanh, F.tanh):
         table[fn] = _fewbit(FB.tanh, ())
     table[F.normalize] = _normalize
+    table[F.cross_entropy] = _cross_entropy
+    for cast in (torch.Tensor.float, torch.Tensor.to, torch.Tensor.type_as):
+        table[cast] = lambda router, args, kwargs, cast=cast: _cast(router, args, kwargs, cast)
     table[F.scaled_dot_product_attention] = _sdpa
     table[F.multi_head_attention_forward] = _multi_head
     rms_norm = getattr(F, "rms_norm", None)
@@ -358,6 +411,7 @@ def _table() -> dict[Any, _Handler]:
 
 
 _TABLE = _table()
+_PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
 
 
 class FunctionalRouter:
@@ -382,6 +436,24 @@ class FunctionalRouter:
         if handler is None:
             return NotImplemented
         return handler(self, args, kwargs)
+
+    def after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """After an unrouted call: what its output derives from, for products (a gated MLP's
+        ``act(gate) * up``, a layer scale): a later save of the product refers to the packings
+        of its operands instead of keeping a copy (:func:`actcore.engine.derive`)."""
+        try:
+            product = func in _PRODUCTS
+        except TypeError:
+            return
+        if (
+            product
+            and isinstance(out, Tensor)
+            and out.requires_grad
+            and len(args) == 2
+            and not kwargs
+            and self.spec.conv_bits is not None
+        ):
+            derive_from(out, torch.mul, args)
 
     @staticmethod
     def routes(func: Any) -> bool:

@@ -43,8 +43,8 @@ _ACTIVE = threading.local()  # .stack: the scopes entered on this thread, innerm
 
 
 def hook_bits(spec: LevelSpec) -> int | None:
-    """Bits the scope's hooks give a saved tensor at a level: its conv/linear bits."""
-    return spec.conv_bits
+    """Bits the scope's hooks give a saved tensor at a level: its ``other_bits``."""
+    return spec.other_bits
 
 
 class ModelScope:

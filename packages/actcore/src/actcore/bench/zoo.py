@@ -54,6 +54,7 @@ class ZooConfig:
     image_size: int | None = None
     steps: int = 3
     seed: int = 0
+    compile: str | None = None
 
 
 class Checkpointed(nn.Module):
@@ -140,9 +141,11 @@ def measure_model(
     image_size: int | None = None,
     steps: int = 3,
     seed: int = 0,
+    compile: str | None = None,
     advance: Callable[..., None] = lambda *a, **k: None,
 ) -> list[dict[str, Any]]:
-    """Rows for ``name``: fp first, then each variant (see the module docstring)."""
+    """Rows for ``name``: fp first, then each variant (see the module docstring); with
+    ``compile`` (a ``torch.compile`` backend), each variant runs compiled."""
     torch.manual_seed(seed)
     size = image_size or default_image_size(name)
     base, shape, classes = build_model(name, image_size=size)
@@ -153,6 +156,8 @@ def measure_model(
     for variant in [FP, *(v for v in variants if v != FP)]:
         advance(0, description=f"{name} {variant}")
         model = apply_variant(copy.deepcopy(base), variant)
+        if compile is not None:
+            model = torch.compile(model, backend=compile)
         _forward_backward(model, x, y, seed + 1)  # warm-up: lazy one-time allocations
         out, profiled, tracked, grads = _forward_backward(model, x, y, seed + 2)
         times = []
@@ -166,6 +171,7 @@ def measure_model(
             "variant": variant,
             "batch": batch,
             "image_size": size,
+            "compile": compile,
             "profiled_bytes": profiled,
             "retained_bytes": tracked,
             "step_time_s": statistics.median(times) if times else None,
@@ -199,6 +205,7 @@ def columns() -> list[report.Column]:
         report.Column("grad_cosine", "grad cosine", report.fmt_float(3)),
         report.Column("step_time_s", "step s", report.fmt_float(2)),
         report.Column("time_vs_fp", "time / fp", report.fmt_float(2, "x")),
+        report.Column("error", "error", justify="left"),
     ]
 
 
@@ -220,6 +227,12 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
     p.add_argument("--image-size", type=int, default=None)
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--compile",
+        default=None,
+        metavar="BACKEND",
+        help="run every variant under torch.compile with this backend (inductor, aot_eager...)",
+    )
     common(p)
     p.set_defaults(func=main, validate=_validate)
 
@@ -250,19 +263,24 @@ def main(args: argparse.Namespace) -> int:
         total = len(cfg.models) * (1 + len(cfg.levels))
         with report.progress(total, "zoo", enabled=not args.quiet) as advance:
             for name in cfg.models:
-                rows.extend(
-                    measure_model(
-                        name,
-                        cfg.levels,
-                        batch=cfg.batch,
-                        image_size=cfg.image_size,
-                        steps=cfg.steps,
-                        seed=cfg.seed,
-                        advance=advance,
+                try:
+                    rows.extend(
+                        measure_model(
+                            name,
+                            cfg.levels,
+                            batch=cfg.batch,
+                            image_size=cfg.image_size,
+                            steps=cfg.steps,
+                            seed=cfg.seed,
+                            compile=cfg.compile,
+                            advance=advance,
+                        )
                     )
-                )
+                except Exception as err:  # e.g. an input too small for it: a row says so
+                    rows.append({"benchmark": "zoo", "model": name, "error": str(err)[:200]})
 
-    title = f"torchvision zoo, batch {cfg.batch}: activation memory, forward, gradient, time"
+    how = f", compiled ({cfg.compile})" if cfg.compile else ""
+    title = f"torchvision zoo, batch {cfg.batch}{how}: activation memory, forward, gradient, time"
     return report.run_guarded(
         "zoo",
         runner,

@@ -8,7 +8,15 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["convert_linear", "fewbit_target", "is_fewbit", "map_module", "swap_activation"]
+__all__ = [
+    "convert_linear",
+    "fewbit_target",
+    "fewbit_target_of",
+    "is_fewbit",
+    "map_module",
+    "register_activation",
+    "swap_activation",
+]
 
 
 def map_module(root: nn.Module, fn: Callable[[nn.Module, str], nn.Module]) -> nn.Module:
@@ -87,10 +95,12 @@ def convert_linear(module: nn.Module, ctor: Callable[..., nn.Module], **kw: Any)
 # Activation swap (used by ``actcore.convert(..., fewbit_bits=k)`` and ``Controller``)
 # --------------------------------------------------------------------------------------------
 
-SMOOTH_LEFT = "smooth activation: pass fewbit_bits=k to compress its derivative"
+SMOOTH_LEFT = (
+    "smooth activation kept as it is (layers only): pass fewbit_bits=k for a few-bit derivative"
+)
 
 
-def _activation_tables() -> tuple[dict[type, type], dict[type, type]]:
+def _builtin_tables() -> tuple[dict[type, type], dict[type, type]]:
     from . import modules as M
 
     smooth = {
@@ -119,11 +129,42 @@ def _activation_tables() -> tuple[dict[type, type], dict[type, type]]:
     return smooth, piecewise
 
 
+_TABLES: tuple[dict[type, type], dict[type, type]] | None = None
+
+
+def _activation_tables() -> tuple[dict[type, type], dict[type, type]]:
+    """(smooth, piecewise): activation class -> its few-bit subclass (built-ins + registered)."""
+    global _TABLES
+    if _TABLES is None:
+        _TABLES = _builtin_tables()
+    return _TABLES
+
+
+def register_activation(stock: type[nn.Module], fewbit: type[nn.Module], *, smooth: bool) -> None:
+    """Make ``convert`` (and ``Controller(fewbit_bits=...)``) swap ``stock`` activations (that
+    exact type) for ``fewbit``: a subclass of ``stock`` with a ``bits`` attribute whose
+    forward is ``stock``'s output with a few-bit derivative (e.g. transformers' activation
+    classes, registered by act-hf). ``smooth``: takes ``fewbit_bits``; else 1 bit (exact).
+    Registering the same pair again is a no-op."""
+    if not (isinstance(fewbit, type) and isinstance(stock, type) and issubclass(fewbit, stock)):
+        raise TypeError(f"register_activation: {fewbit!r} must be a subclass of {stock!r}")
+    smooth_table, piecewise = _activation_tables()
+    table = smooth_table if smooth else piecewise
+    known = table.get(stock)
+    if known is not None and known.__qualname__ != fewbit.__qualname__:
+        raise ValueError(f"register_activation: {stock.__name__} already swaps to {known.__name__}")
+    table[stock] = fewbit
+
+
 def fewbit_target(module: nn.Module) -> tuple[type[nn.Module] | None, bool]:
     """The few-bit class for a plain torch activation ``module`` and whether it is smooth
     (needs a ``bits`` choice); ``(None, False)`` for anything else (subclasses included)."""
+    return fewbit_target_of(type(module))
+
+
+def fewbit_target_of(cls: type) -> tuple[type[nn.Module] | None, bool]:
+    """:func:`fewbit_target` for a class."""
     smooth, piecewise = _activation_tables()
-    cls = type(module)
     if cls in smooth:
         return smooth[cls], True
     if cls in piecewise:
@@ -132,10 +173,14 @@ def fewbit_target(module: nn.Module) -> tuple[type[nn.Module] | None, bool]:
 
 
 def is_fewbit(module: nn.Module) -> bool:
-    """Whether ``module`` is already one of :mod:`actcore.fewbit`'s activation modules."""
+    """Whether ``module`` is already a few-bit activation (actcore's or a registered one)."""
     from .modules import _FewBit
 
-    return isinstance(module, _FewBit)
+    if isinstance(module, _FewBit):
+        return True
+    smooth, piecewise = _activation_tables()
+    cls = type(module)
+    return cls in smooth.values() or cls in piecewise.values()
 
 
 def swap_activation(module: nn.Module, bits: int | None) -> str | None:

@@ -18,10 +18,14 @@ from ..engine import (
     CONV,
     IDENTITY,
     NORM,
+    ROW_NORM,
     choose,
+    derive_output,
     layer_spec,
     note_mask,
+    note_output,
     observe,
+    source_part,
     stash,
     unstash,
 )
@@ -154,7 +158,7 @@ def _stat_view(stat: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _norm_input(
-    layer: Any, x: torch.Tensor, normalize
+    layer: Any, x: torch.Tensor, normalize, role: str = NORM
 ) -> tuple[torch.Tensor, Compressor | str, bool]:
     """What a normalization layer saves for ``x``: ``(tensor, how, normalized)``.
 
@@ -164,7 +168,7 @@ def _norm_input(
     with a tiny variance would otherwise see its gradient blown up by ``invstd``). Backward
     rebuilds ``x`` from it with the exact saved statistics.
     """
-    comp = choose(layer, NORM, x)
+    comp = choose(layer, role, x)
     if not comp.lossy:
         return x, comp, False
     return normalize(x), comp, True
@@ -411,7 +415,7 @@ class LayerNormFunction(torch.autograd.Function):
     def forward(ctx, x, normalized_shape, weight, bias, eps, layer):
         out, mean, rstd = aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
         ctx.normalized_shape, ctx.dtype = normalized_shape, x.dtype
-        saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: (t - mean) * rstd)
+        saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: (t - mean) * rstd, ROW_NORM)
         stash(
             ctx,
             layer,
@@ -453,7 +457,7 @@ class GroupNormFunction(torch.autograd.Function):
             grouped = t.reshape(n, num_groups, -1)
             return ((grouped - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).view(t.shape)
 
-        saved_x, how, ctx.normalized = _norm_input(layer, x, normalize)
+        saved_x, how, ctx.normalized = _norm_input(layer, x, normalize, ROW_NORM)
         stash(
             ctx,
             layer,
@@ -521,7 +525,7 @@ class RMSNormFunction(torch.autograd.Function):
         xf = x.float()
         rstd = xf.square().mean(dims, keepdim=True).add_(eps_value).rsqrt_()
         ctx.dims, ctx.dtype, ctx.eps = dims, x.dtype, eps_value
-        saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: t.float() * rstd)
+        saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: t.float() * rstd, ROW_NORM)
         stash(ctx, layer, [(saved_x, how), (weight, IDENTITY), (rstd, IDENTITY)])
         return out
 
@@ -586,6 +590,11 @@ class MaskedActivationFunction(torch.autograd.Function):
         return ops.apply_mask(grad, packed), None, None, None, None
 
 
+def note_dropout_output(out: torch.Tensor) -> torch.Tensor:
+    """After ``apply`` of :class:`DropoutFunction`: see :func:`actcore.engine.note_output`."""
+    return note_output(out)
+
+
 def note_output_mask(out: torch.Tensor) -> torch.Tensor:
     """Record that a ReLU output's nonzeros are its 1-bit mask's, for the next layer.
 
@@ -630,7 +639,16 @@ class DropoutFunction(torch.autograd.Function):
         out, mask = dropout_with_mask(x, p, inplace)
         if inplace:
             ctx.mark_dirty(x)
-        stash(ctx, layer, [(ops.pack_mask(mask), IDENTITY)])
+        packed = ops.pack_mask(mask)
+        stash(ctx, layer, [(packed, IDENTITY)])
+        part = None if inplace else source_part(x)
+        if part is not None:  # a later save of out rebuilds it from x's packing and the mask
+            shape, scale = x.shape, 1.0 / (1.0 - p)
+
+            def dropped(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                return x * ops.unpack_mask(mask, shape).to(x.dtype) * scale
+
+            derive_output(ctx, dropped, [part, (IDENTITY, (packed,), None)])
         return out
 
     @staticmethod

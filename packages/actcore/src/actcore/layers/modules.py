@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.modules.utils import _ntuple
 
 from ..engine import layer_spec, needs_saving
+from ..loss import note_linear_output
 from ..op_mode import call_outside_modes
 from .functions import (
     AvgPoolFunction,
@@ -30,6 +31,7 @@ from .functions import (
     RMSNormFunction,
     SyncBatchNormFunction,
     link,
+    note_dropout_output,
     note_output_mask,
 )
 
@@ -39,6 +41,7 @@ class QLayer:
 
     act_level: str | None = None
     act_scheme: Any = None
+    act_adaptive_bits = True  # whether adaptive bit plans (L3) choose its bits
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A Q-layer is its own tailored treatment: the functional-op router of a converted
@@ -187,7 +190,9 @@ class QLinear(QLayer, nn.Linear):
         if not self._compresses(input, self.weight, self.bias):
             return super().forward(input)
         input, weight, bias = autocast_inputs(LOWER_PRECISION, input, self.weight, self.bias)
-        return LinearFunction.apply(input, weight, bias, self, link(input))
+        out = LinearFunction.apply(input, weight, bias, self, link(input))
+        note_linear_output(out, input, weight, bias)  # a cross-entropy can recompute it
+        return out
 
 
 class QBatchNormBase(QLayer):
@@ -284,6 +289,8 @@ class QSyncBatchNorm(QBatchNormBase, nn.SyncBatchNorm):
 
 
 class QLayerNorm(QLayer, nn.LayerNorm):
+    act_adaptive_bits = False  # a row norm: the level's row-norm bits
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight, self.bias):
             return super().forward(input)
@@ -320,6 +327,8 @@ def group_norm(
 
 
 class QGroupNorm(QLayer, nn.GroupNorm):
+    act_adaptive_bits = False  # a row norm: the level's row-norm bits
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight, self.bias):
             return super().forward(input)
@@ -328,6 +337,8 @@ class QGroupNorm(QLayer, nn.GroupNorm):
 
 class QRMSNorm(QLayer, nn.RMSNorm):
     """``nn.RMSNorm`` keeping its normalized input compressed and the exact per-row scale."""
+
+    act_adaptive_bits = False  # a row norm: the level's row-norm bits
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight):
@@ -375,7 +386,7 @@ class QDropout(QLayer, nn.Dropout):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not (self.training and 0 < self.p < 1 and needs_saving(input)):
             return super().forward(input)
-        return DropoutFunction.apply(input, self.p, self.inplace, self)
+        return note_dropout_output(DropoutFunction.apply(input, self.p, self.inplace, self))
 
 
 def _unsqueezed_1d(fn, input: torch.Tensor, *args) -> torch.Tensor:

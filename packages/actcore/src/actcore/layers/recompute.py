@@ -1,0 +1,179 @@
+"""Cheap modules and functionals recomputed in backward from a compressed input.
+
+Two kinds go this way:
+
+* normalization modules written in Python (transformers' ``*RMSNorm``, ``T5LayerNorm``,
+  Gemma's ``(1 + w)`` variant...): their forward is a chain of elementwise ops (``pow``,
+  ``mean``, ``rsqrt``, products, dtype casts) that the saved-tensor hooks would each keep,
+  the per-row ``rsqrt`` included. Their input is kept normalized by its own root mean
+  square per row, compressed at the level's row-norm bits, next to that root mean square exact;
+* smooth activations (``F.gelu``, ``F.silu``, ``torch.tanh``... and registered activation
+  modules such as transformers' ``NewGELUActivation``): their input is kept at the level's
+  activation bits.
+
+The forward is the module's (or functional's) own, once, so the output is bitwise the
+same. Backward rebuilds the input and differentiates that same forward again: whatever
+formula it computes, the gradient is its exact gradient at the restored input, for the
+cost of one more (cheap) forward. The output is recorded as derived from the kept input
+(:func:`actcore.engine.derive`): the next layer, which saves it, stores nothing of its own.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from ..compressors import IDENTITY
+from ..engine import (
+    ACTIVATION,
+    ROW_NORM,
+    choose,
+    derive_output,
+    note_output,
+    observe,
+    stash,
+    unstash,
+)
+
+__all__ = [
+    "RecomputedModule",
+    "recompute",
+    "recomputed_class",
+    "register_recomputed",
+]
+
+_NORM_NAME = re.compile(r"(RMSNorm|RmsNorm|LayerNorm)$")
+_TORCH_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
+_CLASSES: dict[type, type] = {}
+_ACTIVATIONS: set[type] = set()
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class RecomputeFunction(torch.autograd.Function):
+    """``forward(x)``, keeping ``x`` compressed and recomputing ``forward`` in backward.
+
+    ``normalize``: keep ``x`` divided by its root mean square per row (last dim) and that
+    scale exact (norms), else ``x`` itself (activations). ``params``: tensors ``forward``
+    uses that may need gradients (a norm's weight).
+    """
+
+    @staticmethod
+    def forward(ctx, x, forward, layer, normalize, *params):
+        out = forward(x)
+        dtype = x.dtype
+        comp = choose(layer, ROW_NORM if normalize else ACTIVATION, x)
+        if normalize and comp.lossy:  # the error is then relative to each row's own scale
+            rstd = x.float().square().mean(-1, keepdim=True)
+            rstd = rstd.clamp_min_(torch.finfo(torch.float32).tiny).rsqrt_()
+            parts = stash(ctx, layer, [(x.float() * rstd, comp), (rstd, IDENTITY)])
+
+            def output(x_hat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+                return forward((x_hat / rstd).to(dtype))
+
+        else:
+            parts = stash(ctx, layer, [(x, comp), (None, IDENTITY)])
+
+            def output(x: torch.Tensor, _: None) -> torch.Tensor:
+                return forward(x)
+
+        derive_output(ctx, output, parts)  # whoever saves the output refers to these
+        ctx.normalized, ctx.dtype, ctx.forward = normalize and comp.lossy, dtype, forward
+        ctx.params = params
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, rstd = unstash(ctx)
+        if ctx.params:
+            observe(ctx, grad, norm=True)
+        if ctx.normalized:
+            x = (x / rstd).to(ctx.dtype)
+        needs = [ctx.needs_input_grad[0], *ctx.needs_input_grad[4:]]
+        x = x.detach().requires_grad_(needs[0])
+        inputs = [x, *ctx.params]
+        wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
+        hooks = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+        with torch.enable_grad(), hooks:
+            out = ctx.forward(x)
+            found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+        grads = [next(found) if need else None for need in needs]
+        return grads[0], None, None, None, *grads[1:]
+
+
+def recompute(
+    x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor], layer: Any
+) -> torch.Tensor:
+    """``forward(x)`` for an elementwise activation, recomputed in backward (module doc)."""
+    return note_output(RecomputeFunction.apply(x, forward, layer, False))
+
+
+class RecomputedModule:
+    """Mixin of the Q form of a cheap module recomputed in backward (see the module doc)."""
+
+    act_level: str | None = None
+    act_scheme: Any = None
+    act_normalize: bool = False
+    act_adaptive_bits = False  # the level's row-norm / activation bits
+    act_source_class: type = nn.Module  # the class it was made from
+
+    def plain_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)  # type: ignore[misc]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = list(self.parameters())  # type: ignore[attr-defined]
+        if not self._compresses(x, *params):  # type: ignore[attr-defined]
+            return self.plain_forward(x)
+        out = RecomputeFunction.apply(x, self.plain_forward, self, self.act_normalize, *params)
+        return note_output(out)
+
+
+def register_recomputed(cls: type[nn.Module]) -> None:
+    """Make :func:`actcore.convert` give modules of exactly this elementwise activation class
+    the recomputed form (their input kept at the level's activation bits)."""
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"register_recomputed takes an nn.Module class, got {cls!r}")
+    _ACTIVATIONS.add(cls)
+
+
+def recomputed_class(module: nn.Module) -> type[nn.Module] | None:
+    """The recomputed Q form of ``module``'s class, or None: for Python-written norms (a leaf
+    named ``*RMSNorm``/``*RmsNorm``/``*LayerNorm``, not one of torch's norms, with at most
+    ``weight`` and ``bias`` as parameters) and registered activation classes."""
+    cls = type(module)
+    if cls in _CLASSES.values():
+        return cls
+    if cls in _ACTIVATIONS:
+        normalize = False
+    elif _NORM_NAME.search(cls.__name__) and not isinstance(module, _TORCH_NORMS):
+        if any(True for _ in module.children()):
+            return None
+        if not {n for n, _ in module.named_parameters(recurse=False)} <= {"weight", "bias"}:
+            return None
+        normalize = True
+    else:
+        return None
+    found = _CLASSES.get(cls)
+    if found is None:
+        from .modules import QLayer
+
+        # a module-level name, so converted models pickle (the source module in it keeps
+        # two libraries' classes of one name apart)
+        name = "Q_" + re.sub(r"\W", "_", f"{cls.__module__}.{cls.__qualname__}")
+        attrs = {
+            "__module__": __name__,
+            "__qualname__": name,
+            "act_normalize": normalize,
+            "act_source_class": cls,
+        }
+        found = _CLASSES[cls] = type(name, (RecomputedModule, QLayer, cls), attrs)
+        globals()[name] = found
+    return found
