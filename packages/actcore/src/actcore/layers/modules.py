@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import _ntuple
 
-from ..engine import layer_spec, needs_saving
+from ..engine import layer_spec, needs_saving, note_output
 from ..loss import note_linear_output
 from ..op_mode import call_outside_modes
 from .functions import (
@@ -191,7 +191,7 @@ class QLinear(QLayer, nn.Linear):
             return super().forward(input)
         input, weight, bias = autocast_inputs(LOWER_PRECISION, input, self.weight, self.bias)
         out = LinearFunction.apply(input, weight, bias, self, link(input))
-        note_linear_output(out, input, weight, bias)  # a cross-entropy can recompute it
+        note_linear_output(out, input, weight, bias, self)  # a cross-entropy can recompute it
         return out
 
 
@@ -295,8 +295,10 @@ class QLayerNorm(QLayer, nn.LayerNorm):
         if not self._compresses(input, self.weight, self.bias):
             return super().forward(input)
         input, weight, bias = autocast_inputs("layer_norm", input, self.weight, self.bias)
-        return LayerNormFunction.apply(
-            input, list(self.normalized_shape), weight, bias, self.eps, self
+        return note_output(
+            LayerNormFunction.apply(
+                input, list(self.normalized_shape), weight, bias, self.eps, self
+            )
         )
 
 
@@ -323,7 +325,7 @@ def group_norm(
         input = input.contiguous(memory_format=_suggest_memory_format(input))
     else:
         input = input.contiguous()
-    return GroupNormFunction.apply(input, num_groups, weight, bias, eps, layer)
+    return note_output(GroupNormFunction.apply(input, num_groups, weight, bias, eps, layer))
 
 
 class QGroupNorm(QLayer, nn.GroupNorm):
@@ -343,8 +345,8 @@ class QRMSNorm(QLayer, nn.RMSNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight):
             return super().forward(input)
-        return RMSNormFunction.apply(
-            input, list(self.normalized_shape), self.weight, self.eps, self
+        return note_output(
+            RMSNormFunction.apply(input, list(self.normalized_shape), self.weight, self.eps, self)
         )
 
 
