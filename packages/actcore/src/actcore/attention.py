@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .compressors import IDENTITY
-from .engine import CONV, stash, unstash
+from .engine import OTHER, stash, unstash
 
 __all__ = ["AttentionFunction", "attention"]
 
@@ -68,7 +68,7 @@ class AttentionFunction(torch.autograd.Function):
         ctx.device = q.device
         mask_tensor = mask if isinstance(mask, torch.Tensor) else None
         ctx.mask_value = None if mask_tensor is not None else mask
-        stash(ctx, layer, [(q, CONV), (k, CONV), (v, CONV), (mask_tensor, IDENTITY)])
+        stash(ctx, layer, [(q, OTHER), (k, OTHER), (v, OTHER), (mask_tensor, IDENTITY)])
         return out
 
     @staticmethod

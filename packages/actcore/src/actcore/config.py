@@ -21,11 +21,12 @@ _SAME = -1  # a per-kind bits field that follows another one (see LevelSpec)
 class LevelSpec:
     """What one optimization level does to each kind of tensor a model keeps for backward.
 
-    ``conv_bits``: inputs of conv/linear layers and attention's q, k, v; ``norm_bits``:
+    ``conv_bits``: inputs of conv/linear layers; ``norm_bits``:
     inputs of batch norm; ``row_norm_bits``: inputs of norms over each sample's features
     (layer, group, RMS norms, and ``F.normalize``'s unit vectors); ``activation_bits``:
     inputs of smooth activations (their outputs derive from them); ``other_bits``: every
-    other tensor the forward saves (products' operands, inline attention scores...). None
+    other tensor the forward saves (attention's q, k, v, products' operands, inline
+    attention scores, what activation checkpointing keeps...). None
     keeps a kind in full precision; the last three follow ``norm_bits``/``conv_bits``
     unless given.
     """

@@ -27,6 +27,20 @@ OTHER = "other"  # anything else the forward saves (the saved-tensor hooks' tens
 NORMALIZED = ROW_NORM  # (the unit vectors of F.normalize are kept as row-norm inputs)
 
 
+EXPANSION = 8
+"""A linear whose output is at least this many times wider than its input (LoRA's
+``lora_B``, a bottleneck adapter's up-projection) keeps its input at :data:`NARROW_BITS`
+at least: such an input costs little next to the tensors around it, and its weight
+gradient sums few features per token, so rounding noise averages out far less than in a
+square layer's."""
+NARROW_BITS = 8
+
+
+def _expands(layer: Any) -> bool:
+    fan_in, fan_out = getattr(layer, "in_features", 0), getattr(layer, "out_features", 0)
+    return isinstance(fan_in, int) and fan_in > 0 and fan_out >= EXPANSION * fan_in
+
+
 def role_bits(spec: LevelSpec, role: str) -> int | None:
     """The bits ``spec`` gives a tensor of ``role`` (None: kept as it is)."""
     if role == CONV:
@@ -121,12 +135,18 @@ def choose(layer: Any, role: str, x: torch.Tensor) -> Compressor:
     Inside a region checkpointed by ``torch.utils.checkpoint`` (non-reentrant) it is the
     identity: checkpoint drops what is saved there and recomputes it in backward, so
     compressing would only cost time, and the recomputation must save tensors of the same
-    shapes as the forward did (a ReLU-mask or adaptive-bits decision could differ).
+    shapes as the forward did (a ReLU-mask or adaptive-bits decision could differ). A
+    linear marked ``act_feeds_loss`` (a language model's head, see :mod:`actcore.loss`)
+    keeps its input as it is: the loss holds that very tensor, so it costs nothing more.
     """
     spec = layer_spec(layer)
     if in_checkpoint():
         return IDENTITY
+    if role == CONV and getattr(layer, "act_feeds_loss", False):
+        return IDENTITY  # a loss head: the loss keeps this very input (actcore.loss)
     bits = role_bits(spec, role)
+    if bits is not None and role == CONV and _expands(layer):
+        bits = max(bits, NARROW_BITS)  # a low-rank input (LoRA's B): cheap, so kept finer
     if bits is None or x.numel() < config.min_numel or not x.is_floating_point():
         base: Compressor = IDENTITY
     else:

@@ -6,7 +6,10 @@ model's forward, :class:`CrossEntropyFunction` computes the very same loss and k
 
 * when the logits are the output of a Q-layer linear (a language model's head, seen
   through views and dtype casts): that linear's input (tokens x hidden, exact) and weight,
-  from which backward recomputes the logits bitwise, so the gradient is exact;
+  from which backward recomputes the logits bitwise, so the gradient is exact. The head is
+  then marked (``act_feeds_loss``): from its next call on it keeps that same input tensor
+  for its weight gradient instead of a compressed copy (no extra bytes: the loss holds the
+  tensor anyway), so the head's weight gradient is exact too;
 * otherwise: the logits compressed at :data:`LOGIT_BITS` bits, backward on the restored
   logits (an approximation, like any compressed activation).
 
@@ -26,7 +29,13 @@ from torch.autograd.function import once_differentiable
 from . import engine
 from .compressors import IDENTITY, Quantize
 
-__all__ = ["LOGIT_BITS", "CrossEntropyFunction", "linear_source", "note_linear_output"]
+__all__ = [
+    "LOGIT_BITS",
+    "CrossEntropyFunction",
+    "linear_source",
+    "mark_loss_head",
+    "note_linear_output",
+]
 
 LOGIT_BITS = 8
 """Bits of the logits a cross-entropy keeps when it cannot recompute them."""
@@ -34,9 +43,17 @@ LOGIT_BITS = 8
 _SOURCE = "linear source"
 
 
-def note_linear_output(out: torch.Tensor, x: torch.Tensor, weight: Any, bias: Any) -> None:
-    """Record that ``out == F.linear(x, weight, bias)`` (x held weakly)."""
-    engine.records().setdefault(out)[_SOURCE] = (weakref.ref(x), x._version, weight, bias)
+def note_linear_output(
+    out: torch.Tensor, x: torch.Tensor, weight: Any, bias: Any, layer: Any = None
+) -> None:
+    """Record that ``out == F.linear(x, weight, bias)``, computed by ``layer`` (held weakly).
+
+    ``x`` is held as long as ``out`` lives (the record goes with ``out``): a head's input is
+    often a temporary (``head(norm(h))``) that the loss could otherwise not find. It costs
+    tokens x hidden while the tokens x vocabulary logits are alive anyway.
+    """
+    layer_ref = None if layer is None else weakref.ref(layer)
+    engine.records().setdefault(out)[_SOURCE] = (x, x._version, weight, bias, layer_ref)
 
 
 def note_cast(out: torch.Tensor, source: torch.Tensor) -> None:
@@ -54,7 +71,7 @@ def _source_record(t: torch.Tensor) -> tuple | None:
         if record is not None and _SOURCE in record:
             if candidate is not t and t.shape[-1] != candidate.shape[-1]:
                 return None  # a view that cuts the class dimension: not the linear's rows
-            return record[_SOURCE][:4]
+            return record[_SOURCE][:5]
     return None
 
 
@@ -64,13 +81,21 @@ def linear_source(logits: torch.Tensor) -> tuple[torch.Tensor, Any, Any] | None:
     found = _source_record(logits)
     if found is None:
         return None
-    ref, version, weight, bias = found
-    x = ref()
-    if x is None or x._version != version:
+    x, version, weight, bias, _ = found
+    if x._version != version:
         return None
     if x.numel() // x.shape[-1] != logits.numel() // logits.shape[-1]:
         return None  # the logits are a slice of the head's rows
     return x, weight, bias
+
+
+def mark_loss_head(logits: torch.Tensor) -> None:
+    """Mark the Q-layer linear that computed ``logits`` as feeding a recomputing loss
+    (``act_feeds_loss``; see the module docstring)."""
+    found = _source_record(logits)
+    layer = None if found is None or found[4] is None else found[4]()
+    if layer is not None:
+        layer.act_feeds_loss = True
 
 
 class CrossEntropyFunction(torch.autograd.Function):

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import LevelSpec
-from .engine import NORMALIZED, derive_from, note_output
+from .engine import NORMALIZED, derive_from, in_checkpoint, note_output
 from .fewbit import functional as FB
 from .layers.recompute import recompute
 
@@ -322,7 +322,7 @@ _CE_OPTIONS = ("weight", "ignore_index", "reduction", "label_smoothing")
 
 
 def _cross_entropy(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-    from .loss import CrossEntropyFunction, linear_source
+    from .loss import CrossEntropyFunction, linear_source, mark_loss_head
 
     names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
     bound = {n: kwargs[n] for n in (*names, "label_smoothing") if n in kwargs}
@@ -337,7 +337,10 @@ def _cross_entropy(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
     if x.dim() != 2 or target.dim() != 1 or target.is_floating_point():
         return NotImplemented  # class probabilities, spatial losses: torch's own
     options = {n: bound[n] for n in _CE_OPTIONS if n in bound}
-    return CrossEntropyFunction.apply(x, target, options, linear_source(x), router.layer)
+    source = linear_source(x)
+    if source is not None:
+        mark_loss_head(x)
+    return CrossEntropyFunction.apply(x, target, options, source, router.layer)
 
 
 def _cast(router: FunctionalRouter, args: tuple, kwargs: dict, func: Any) -> Any:
@@ -433,7 +436,9 @@ class FunctionalRouter:
             handler = _TABLE.get(func)
         except TypeError:  # an unhashable callable: none of ours
             return NotImplemented
-        if handler is None:
+        if handler is None or in_checkpoint():
+            # checkpoint drops what is saved in its region and reruns it in backward, where
+            # no scope routes: both runs must save the same tensors, so the op stays plain
             return NotImplemented
         return handler(self, args, kwargs)
 

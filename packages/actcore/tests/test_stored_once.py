@@ -1,0 +1,142 @@
+"""A tensor two ops keep is stored once: a normalization's output is rebuilt from the
+normalized input the norm keeps, and a language model's head shares its input with the
+loss that recomputes the logits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import actcore
+from actcore import engine, memory
+from actcore.compressors import Derived
+
+
+class NormThenLinear(nn.Module):
+    """``norm -> two linears`` (q/k/v or gate/up projections of one normalized state)."""
+
+    def __init__(self, norm: nn.Module, d: int = 128) -> None:
+        super().__init__()
+        self.norm, self.a, self.b = norm, nn.Linear(d, d), nn.Linear(d, d)
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        self.seen = [h]
+        return self.a(h) * torch.sigmoid(self.b(h))
+
+
+class GroupNormThenConv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.conv = nn.GroupNorm(4, 16), nn.Conv2d(16, 16, 3, padding=1)
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        self.seen = [h]
+        return self.conv(h)
+
+
+def _case(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    if kind == "groupnorm":
+        return GroupNormThenConv(), torch.randn(8, 16, 16, 16)
+    norm = nn.LayerNorm(128) if kind == "layernorm" else nn.RMSNorm(128)
+    with torch.no_grad():  # a non-trivial affine: the rebuild must apply it
+        norm.weight.uniform_(0.5, 1.5)
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.uniform_(-0.5, 0.5)
+    return NormThenLinear(norm), torch.randn(16, 32, 128) * 3 + 1
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm", "groupnorm"])
+def test_norm_output_is_rebuilt_from_its_normalized_input(kind: str, monkeypatch) -> None:
+    plain, x = _case(kind)
+    model = actcore.convert(copy.deepcopy(plain), "L3")
+    with memory.track(model) as rep:
+        out = model(x)
+    (h,) = model.seen
+    part = engine.packing_of(h)
+    assert part is not None and isinstance(part[0], Derived)
+    rebuilt = part[0].unpack(part[1], part[2])
+    # the rebuild is the norm's output up to the 4-bit rounding of the normalized input
+    # (at most one step of the per-group range: a unit-variance row spans ~8, so < 0.6)
+    assert rebuilt.shape == h.shape and rebuilt.dtype == h.dtype
+    err = (rebuilt - h).abs().max().item()
+    assert 0 < err < 0.6 * plain.norm.weight.detach().abs().max().item()
+    out.square().mean().backward()
+    derived_bytes = rep.retained_bytes
+
+    # without the rebuild the linears keep a packing of their own
+    import actcore.layers.functions as functions
+
+    monkeypatch.setattr(functions, "derive_output", lambda *a, **k: None)
+    again = actcore.convert(copy.deepcopy(plain), "L3")
+    with memory.track(again) as rep:
+        out = again(x)  # (held: the graph lives as long as its output)
+    own = actcore.ops.quantize(h.detach(), 2).nbytes  # L3's first plan: 2 bits
+    assert rep.retained_bytes - derived_bytes >= own
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm", "groupnorm"])
+def test_gradients_through_a_rebuilt_norm_output(kind: str) -> None:
+    plain, x = _case(kind)
+    model = actcore.convert(copy.deepcopy(plain), "L2")
+    torch.manual_seed(1)
+    out = plain(x)
+    out.square().mean().backward()
+    torch.manual_seed(1)
+    conv_out = model(x)
+    assert torch.equal(conv_out, out)
+    conv_out.square().mean().backward()
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        cos = F.cosine_similarity(p.grad.flatten(), q.grad.flatten(), dim=0)
+        assert cos > 0.98, cos
+
+
+class TinyLM(nn.Module):
+    """Embedding, a block, final norm, head, and the loss computed in forward."""
+
+    def __init__(self, vocab: int = 96, d: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = h + self.down(F.gelu(self.up(h)))
+        logits = self.head(self.norm(h))
+        targets = F.pad(ids[:, 1:], (0, 1), value=-100)  # shifted as transformers does
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.flatten())
+
+
+def test_loss_head_keeps_the_input_the_loss_keeps() -> None:
+    """After the first step the head's weight gradient is exact (its input is the tensor the
+    loss keeps anyway to recompute the logits) and the head stores nothing of its own."""
+    torch.manual_seed(0)
+    plain = TinyLM()
+    model = actcore.convert(copy.deepcopy(plain), "L3")
+    ids = torch.randint(0, 96, (8, 48))
+    model(ids).backward()  # the loss marks the head
+    assert model.head.act_feeds_loss is True
+    model.zero_grad()
+    plain(ids).backward()
+    with memory.track(model) as rep:
+        loss = model(ids)
+    loss.backward()
+    torch.testing.assert_close(model.head.weight.grad, plain.head.weight.grad)
+    # the head's input (8 x 48 x 64 fp32) is held once, exact, by the loss
+    hidden_fp32 = 8 * 48 * 64 * 4
+    layers_only = actcore.convert(copy.deepcopy(plain), "L3", layers_only=True)
+    layers_only(ids).backward()
+    with memory.track(layers_only) as plain_rep:
+        held = layers_only(ids)  # noqa: F841 (the graph lives as long as its output)
+    # layers only: log-probabilities (tokens x vocab, fp32) kept instead of the hidden state
+    assert plain_rep.retained_bytes - rep.retained_bytes >= 8 * 48 * 96 * 4 - hidden_fp32
