@@ -375,8 +375,17 @@ def run(
             arch=cfg.arch,
             data_dir=cfg.data_dir,
         )
+    from ..config import config
+
+    done: dict[str, list[dict[str, Any]]] = {}  # layer-route level -> its runs
     for v in parse_levels(cfg.levels):
         runs: list[dict[str, Any]] = []
+        if v.label == DEFAULT and config.level in done:
+            # convert(model) is convert(model, config.level): same batches, same result
+            rows.append(make_row(cfg, v, [dict(r) for r in done[config.level]]))
+            advance(cfg.steps * cfg.seeds)
+            add_deltas(rows)
+            continue
         try:
             for seed in range(cfg.seeds):
                 runs.append(train_run(cfg, task, v, seed, advance))
@@ -387,6 +396,8 @@ def run(
             raise
         rows.append(make_row(cfg, v, runs))
         add_deltas(rows)
+        if v.route == "layers" and v.level is not None:
+            done[v.level] = runs
     return task
 
 
