@@ -5,7 +5,8 @@
 model's forward, :class:`CrossEntropyFunction` computes the very same loss and keeps
 
 * when the logits are the output of a Q-layer linear (a language model's head, seen
-  through views and dtype casts): that linear's input (tokens x hidden, exact) and weight,
+  through dtype casts, reshapes and selections of rows such as ``logits[..., :-1, :]``,
+  which are replayed on the head's input in backward): that linear's input (tokens x hidden, exact) and weight,
   from which backward recomputes the logits bitwise, so the gradient is exact. The head is
   then marked (``act_feeds_loss``): from its next call on it keeps that same input tensor
   for its weight gradient instead of a compressed copy (no extra bytes: the loss holds the
@@ -35,6 +36,7 @@ __all__ = [
     "linear_source",
     "mark_loss_head",
     "note_linear_output",
+    "note_rows",
 ]
 
 LOGIT_BITS = 8
@@ -53,40 +55,119 @@ def note_linear_output(
     tokens x hidden while the tokens x vocabulary logits are alive anyway.
     """
     layer_ref = None if layer is None else weakref.ref(layer)
-    engine.records().setdefault(out)[_SOURCE] = (x, x._version, weight, bias, layer_ref)
+    engine.records().setdefault(out)[_SOURCE] = (x, x._version, weight, bias, layer_ref, ())
 
 
 def note_cast(out: torch.Tensor, source: torch.Tensor) -> None:
     """Record that ``out`` is ``source`` cast to another dtype (a linear source carries over)."""
     found = _source_record(source)
     if found is not None:
-        engine.records().setdefault(out)[_SOURCE] = (*found, source.dtype)
+        engine.records().setdefault(out)[_SOURCE] = found
+
+
+_RESHAPES = {
+    torch.Tensor.reshape,
+    torch.Tensor.view,
+    torch.Tensor.flatten,
+    torch.reshape,
+    torch.flatten,
+}
+ROW_FUNCS = frozenset({*_RESHAPES, torch.Tensor.__getitem__, torch.Tensor.contiguous})
+"""The calls :func:`note_rows` follows."""
+
+
+def note_rows(out: Any, func: Any, args: tuple, kwargs: dict) -> None:
+    """After ``out = func(*args, **kwargs)`` on logits: when it selects or reshapes rows and
+    keeps the class dimension (``logits[..., :-1, :]``-style indexing of the leading dims,
+    ``reshape(-1, V)``, ``contiguous()``), record the same selection of the head's rows, so
+    a loss on ``out`` still recomputes its logits from the head's input."""
+    src = args[0] if args else None
+    if not isinstance(out, torch.Tensor) or not isinstance(src, torch.Tensor):
+        return
+    if out.dim() == 0 or src.dim() == 0 or out.shape[-1] != src.shape[-1] or out is src:
+        return
+    found = _source_record(src)
+    if found is None:
+        return
+    if func is torch.Tensor.contiguous:
+        step: tuple = ()
+    elif func is torch.Tensor.__getitem__ and len(args) == 2 and not kwargs:
+        index = _leading_index(args[1], src.dim())
+        if index is None:
+            return  # the class dimension indexed, or ``None``/masks: not followed
+        step = (("index", index),)
+    elif func in _RESHAPES:
+        step = (("reshape", tuple(out.shape[:-1])),)
+    else:
+        return
+    x, version, weight, bias, layer_ref, steps = found
+    engine.records().setdefault(out)[_SOURCE] = (x, version, weight, bias, layer_ref, steps + step)
+
+
+def _leading_index(index: Any, dim: int) -> tuple | None:
+    """``index`` as a tuple over the leading dims only (``...`` spelled out, a trailing full
+    slice of the class dimension dropped), or None when it is anything else."""
+    index = index if isinstance(index, tuple) else (index,)
+    if index.count(Ellipsis) > 1:
+        return None
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        index = index[:at] + (slice(None),) * (dim - len(index) + 1) + index[at + 1 :]
+    if len(index) == dim and index[-1] == slice(None):
+        index = index[:-1]
+    plain = all(isinstance(i, (int, slice)) or _is_index_tensor(i) for i in index)
+    return index if plain and len(index) < dim else None
+
+
+def _is_index_tensor(i: Any) -> bool:
+    return isinstance(i, torch.Tensor) and not i.is_floating_point() and i.dtype != torch.bool
+
+
+def _replay(x: torch.Tensor, steps: tuple) -> torch.Tensor:
+    """The head's input rows that the logits' recorded selections kept."""
+    for kind, arg in steps:
+        x = x[arg] if kind == "index" else x.reshape(*arg, x.shape[-1])
+    return x
 
 
 def _source_record(t: torch.Tensor) -> tuple | None:
-    for candidate in (t, t._base):
-        if candidate is None:
-            continue
-        record = engine.records().get(candidate)
-        if record is not None and _SOURCE in record:
-            if candidate is not t and t.shape[-1] != candidate.shape[-1]:
-                return None  # a view that cuts the class dimension: not the linear's rows
-            return record[_SOURCE][:5]
-    return None
+    record = engine.records().get(t)
+    if record is not None and _SOURCE in record:
+        return record[_SOURCE]
+    base = t._base
+    record = None if base is None else engine.records().get(base)
+    if record is None or _SOURCE not in record:
+        return None
+    pure_reshape = (
+        base.is_contiguous()
+        and t.is_contiguous()
+        and t.storage_offset() == base.storage_offset()
+        and t.numel() == base.numel()
+        and t.shape[-1] == base.shape[-1]
+    )
+    if not pure_reshape:
+        return None  # a view that selects rows or cuts the class dimension, not recorded
+    x, version, weight, bias, layer_ref, steps = record[_SOURCE]
+    return x, version, weight, bias, layer_ref, (*steps, ("reshape", tuple(t.shape[:-1])))
 
 
-def linear_source(logits: torch.Tensor) -> tuple[torch.Tensor, Any, Any] | None:
-    """``(x, weight, bias)`` such that ``logits`` is ``F.linear(x, weight, bias)`` reshaped
-    to 2-d (possibly cast), when known and ``x`` is unchanged; else None."""
+def linear_source(logits: torch.Tensor) -> tuple[torch.Tensor, Any, Any, tuple] | None:
+    """``(x, weight, bias, steps)``: ``logits`` is ``F.linear(x', weight, bias)`` reshaped
+    to 2-d (possibly cast), ``x'`` the rows of ``x`` that ``steps`` select, when known and
+    ``x`` is unchanged; else None."""
     found = _source_record(logits)
     if found is None:
         return None
-    x, version, weight, bias, _ = found
+    x, version, weight, bias, _, steps = found
     if x._version != version:
         return None
-    if x.numel() // x.shape[-1] != logits.numel() // logits.shape[-1]:
-        return None  # the logits are a slice of the head's rows
-    return x, weight, bias
+    try:
+        rows = _replay(x.detach(), steps)  # views, or a copy for an index tensor (dropped)
+    except (IndexError, RuntimeError):
+        return None
+    if rows.numel() // rows.shape[-1] != logits.numel() // logits.shape[-1]:
+        return None  # rows selected in a way that was not followed
+    return x, weight, bias, steps
 
 
 def mark_loss_head(logits: torch.Tensor) -> None:
@@ -106,7 +187,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         loss = F.cross_entropy(logits, target, **options)
         ctx.options, ctx.shape, ctx.dtype = options, logits.shape, logits.dtype
         if source is not None:
-            x, weight, bias = source
+            x, weight, bias, ctx.steps = source
             ctx.linear = (weight, bias)
             engine.stash(ctx, layer, [(x, IDENTITY), (target, IDENTITY)])
         else:
@@ -121,7 +202,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         saved, target = engine.unstash(ctx)
         if ctx.linear is not None:
             weight, bias = ctx.linear
-            logits = F.linear(saved, weight, bias).reshape(ctx.shape).to(ctx.dtype)
+            rows = _replay(saved, ctx.steps)
+            logits = F.linear(rows, weight, bias).reshape(ctx.shape).to(ctx.dtype)
         else:
             logits = saved
         with torch.enable_grad():

@@ -47,6 +47,7 @@ from .config import LevelSpec
 from .engine import NORMALIZED, derive_from, in_checkpoint, note_output
 from .fewbit import functional as FB
 from .layers.recompute import recompute
+from .loss import ROW_FUNCS, note_rows
 
 __all__ = ["FunctionalLayer", "FunctionalRouter"]
 
@@ -448,7 +449,11 @@ class FunctionalRouter:
         of its operands instead of keeping a copy (:func:`actcore.engine.derive`)."""
         try:
             product = func in _PRODUCTS
+            rows = func in ROW_FUNCS
         except TypeError:
+            return
+        if rows:
+            note_rows(out, func, args, kwargs)
             return
         if (
             product
