@@ -239,3 +239,37 @@ def test_checkpointing_and_convert_keep_2x_less_than_checkpointing() -> None:
     cos = F.cosine_similarity(_grads(plain).double(), _grads(model).double(), dim=0).item()
     assert ckpt_bytes / held >= 2, ckpt_bytes / held
     assert cos >= 0.95, cos
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_bf16_autocast_same_forward_and_trains(name: str) -> None:
+    """Under bf16 autocast (rotary cos/sin in fp32 meet bf16 projections: the attention's
+    inputs arrive in mixed dtypes and autocast unifies them), the forward is the plain
+    model's and the recomputations in backward run under the same autocast."""
+    make, kind = FAMILIES[name]
+    inputs = _inputs(kind)
+    torch.manual_seed(0)
+    plain = make()
+    model = act_hf.convert(copy.deepcopy(plain))
+    plain.eval()
+    model.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(plain(**inputs).logits, model(**inputs).logits)
+    plain.train()
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**inputs).loss.backward()  # the first step
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(1)
+        plain_bytes, plain_out = _profiled(plain, inputs)
+        torch.manual_seed(1)
+        held, out = _profiled(model, inputs)
+    assert torch.equal(out.loss, plain_out.loss)
+    plain_out.loss.backward()
+    out.loss.backward()
+    grads = _grads(model)
+    assert torch.isfinite(grads).all()
+    cos = F.cosine_similarity(_grads(plain).double(), grads.double(), dim=0).item()
+    assert plain_bytes / held >= 4, plain_bytes / held
+    assert cos >= 0.9, cos

@@ -380,3 +380,45 @@ def test_dropout_output_is_rebuilt_from_its_input_packing(monkeypatch) -> None:
     monkeypatch.setattr(functions, "note_dropout_output", lambda out: out)
     copy_4bit = actcore.ops.quantize(torch.randn(8, 64, 64), 4).nbytes
     assert held() - rebuilt == copy_4bit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_with_a_learned_mask_matches_under_autocast(dtype) -> None:
+    """A mask that requires grad (T5's position bias) makes torch pick another attention
+    kernel; the routed call picks the same one (bitwise forward), keeps no graph of it, and
+    the backward rerun happens under the forward's autocast (mixed q/k/v dtypes)."""
+
+    class Biased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.randn(1, 4, 64, 64))
+            self.qkv = nn.Linear(32, 96)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).view(2, 64, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            q, k = q.float(), k.float()  # fp32 meets the projections' dtype (rotary-like)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias, scale=1.0)
+
+    torch.manual_seed(0)
+    plain = Biased()
+    model = actcore.convert(copy.deepcopy(plain), "L2")
+    x = torch.randn(2, 64, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        ref = plain(x)
+        out = model(x)
+    assert torch.equal(out, ref)
+    gc.collect()
+    assert not [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, torch.Tensor)
+        and o.shape == (2, 4, 64, 64)
+        and o is not ref
+        and o is not out
+        and o.grad_fn is not None
+        and "Softmax" in type(o.grad_fn).__name__
+    ]
+    ref.float().square().sum().backward()
+    out.float().square().sum().backward()
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        assert F.cosine_similarity(p.grad.flatten(), q.grad.flatten(), dim=0) > 0.95

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .autocast_replay import autocast_state, replayed_autocast
 from .compressors import IDENTITY
 from .engine import OTHER, stash, unstash
 
@@ -57,13 +58,35 @@ def _sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> torch.Tenso
     )
 
 
+def _sdpa_as_with_grad(q, k, v, mask, *args) -> torch.Tensor:
+    """:func:`_sdpa` picking the kernel it picks when grad is enabled: with a mask that
+    requires grad (T5's learned position bias) torch runs another kernel than without, and
+    the forward must be the plain model's bitwise. The graph it builds is dropped at once."""
+    leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v, mask)]
+    hooks = torch.autograd.graph.saved_tensors_hooks(_drop, _never)  # nothing is kept
+    with torch.enable_grad(), hooks:
+        return _sdpa(*leaves, *args).detach()
+
+
+def _drop(_: torch.Tensor) -> None:
+    return None
+
+
+def _never(_: None) -> torch.Tensor:
+    raise RuntimeError("actcore: the graph of a forward-only attention call is never run")
+
+
 class AttentionFunction(torch.autograd.Function):
     """``F.scaled_dot_product_attention`` keeping compressed q, k, v (module docstring)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, layer):
         ctx.rng = _rng_state(q.device) if dropout_p > 0 else None
-        out = _sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+        ctx.autocast = autocast_state(q.device)
+        if isinstance(mask, torch.Tensor) and mask.requires_grad:
+            out = _sdpa_as_with_grad(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+        else:
+            out = _sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
         ctx.args = (dropout_p, is_causal, scale, enable_gqa)
         ctx.device = q.device
         mask_tensor = mask if isinstance(mask, torch.Tensor) else None
@@ -83,7 +106,8 @@ class AttentionFunction(torch.autograd.Function):
             leaves.append(t.detach().requires_grad_(True) if need and t is not None else t)
         wanted = [t for t, need in zip(leaves, needs, strict=True) if need and t is not None]
         hooks = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
-        with torch.enable_grad(), hooks, _replayed_rng(ctx.rng, ctx.device):
+        replay = _replayed_rng(ctx.rng, ctx.device)
+        with torch.enable_grad(), hooks, replay, replayed_autocast(ctx.autocast):
             out = _sdpa(*leaves, *ctx.args)
             found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
         grads = [

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..autocast_replay import autocast_state, replayed_autocast
 from ..compressors import IDENTITY
 from ..engine import (
     ACTIVATION,
@@ -69,6 +70,7 @@ class RecomputeFunction(torch.autograd.Function):
     def forward(ctx, x, forward, layer, normalize, *params):
         out = forward(x)
         dtype = x.dtype
+        autocast = autocast_state(x.device)  # the rerun in backward runs under it too
         comp = choose(layer, ROW_NORM if normalize else ACTIVATION, x)
         if normalize and comp.lossy:  # the error is then relative to each row's own scale
             rstd = x.float().square().mean(-1, keepdim=True)
@@ -76,17 +78,19 @@ class RecomputeFunction(torch.autograd.Function):
             parts = stash(ctx, layer, [(x.float() * rstd, comp), (rstd, IDENTITY)])
 
             def output(x_hat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-                return forward((x_hat / rstd).to(dtype))
+                with replayed_autocast(autocast):
+                    return forward((x_hat / rstd).to(dtype))
 
         else:
             parts = stash(ctx, layer, [(x, comp), (None, IDENTITY)])
 
             def output(x: torch.Tensor, _: None) -> torch.Tensor:
-                return forward(x)
+                with replayed_autocast(autocast):
+                    return forward(x)
 
         derive_output(ctx, output, parts)  # whoever saves the output refers to these
         ctx.normalized, ctx.dtype, ctx.forward = normalize and comp.lossy, dtype, forward
-        ctx.params = params
+        ctx.params, ctx.autocast = params, autocast
         return out
 
     @staticmethod
@@ -102,7 +106,7 @@ class RecomputeFunction(torch.autograd.Function):
         inputs = [x, *ctx.params]
         wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
         hooks = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
-        with torch.enable_grad(), hooks:
+        with torch.enable_grad(), hooks, replayed_autocast(ctx.autocast):
             out = ctx.forward(x)
             found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
         grads = [next(found) if need else None for need in needs]
