@@ -6,8 +6,9 @@ model's forward, :class:`CrossEntropyFunction` computes the very same loss and k
 
 * when the logits are the output of a Q-layer linear (a language model's head, seen
   through dtype casts, reshapes and selections of rows such as ``logits[..., :-1, :]``,
-  which are replayed on the head's input in backward): that linear's input (tokens x hidden, exact) and weight,
-  from which backward recomputes the logits bitwise, so the gradient is exact. The head is
+  which are replayed on the head's input in backward): that linear's input (tokens x
+  hidden, exact) and weight, from which backward recomputes the logits bitwise, so the
+  gradient is exact. The head is
   then marked (``act_feeds_loss``): from its next call on it keeps that same input tensor
   for its weight gradient instead of a compressed copy (no extra bytes: the loss holds the
   tensor anyway), so the head's weight gradient is exact too;
