@@ -10,7 +10,8 @@ The ops take already-validated arguments; :mod:`actcore.ops.api` is the checked 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -32,16 +33,23 @@ from .quantization import (
 _Tensors3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def _dispatch(name: str, on: torch.Tensor, reference: Callable[..., Any], *args: Any) -> Any:
+    """The native ``name`` kernel for ``on``'s device when it is built and loaded (the first
+    call on a device loads its kernels), else ``reference(*args)``."""
+    if on.is_cuda and _native.ready(name):
+        return _native.call(name, *args)
+    if on.device.type == "cpu" and _native.cpu_ready(name):
+        return _native.call(name, *args)
+    return reference(*args)
+
+
 @torch.library.custom_op("actcore::quantize", mutates_args=())
 def quantize(
     x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int, per_sample: bool
 ) -> _Tensors3:
     """Per-group k-bit quantization: returns (payload uint8, lo bf16, step bf16)."""
-    if x.is_cuda and _native.ready("quantize"):  # first CUDA use: load the CUDA kernels
-        return _native.call("quantize", x, bits, group_size, stochastic, seed, per_sample)
-    if x.device.type == "cpu" and _native.cpu_ready("quantize"):  # first CPU use: CPU kernels
-        return _native.call("quantize", x, bits, group_size, stochastic, seed, per_sample)
-    return quantize_reference(x, bits, group_size, stochastic, seed, per_sample)
+    args = (x, bits, group_size, stochastic, seed, per_sample)
+    return _dispatch("quantize", x, quantize_reference, *args)
 
 
 @quantize.register_fake
@@ -65,13 +73,8 @@ def dequantize(
     per_sample: bool,
 ) -> torch.Tensor:
     """Inverse of ``quantize``: a tensor of ``shape`` and ``dtype`` on the payload's device."""
-    if payload.is_cuda and _native.ready("dequantize"):
-        args = (payload, lo, step, bits, group_size, shape, dtype, per_sample)
-        return _native.call("dequantize", *args)
-    if payload.device.type == "cpu" and _native.cpu_ready("dequantize"):
-        args = (payload, lo, step, bits, group_size, shape, dtype, per_sample)
-        return _native.call("dequantize", *args)
-    return dequantize_reference(payload, lo, step, bits, group_size, shape, dtype, per_sample)
+    args = (payload, lo, step, bits, group_size, shape, dtype, per_sample)
+    return _dispatch("dequantize", payload, dequantize_reference, *args)
 
 
 @dequantize.register_fake
@@ -82,11 +85,7 @@ def _dequantize_fake(payload, lo, step, bits, group_size, shape, dtype, per_samp
 @torch.library.custom_op("actcore::pack_bits", mutates_args=())
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 values below 2**bits into ``ceil(n / 8) * bits`` bytes."""
-    if values.is_cuda and _native.ready("pack_bits"):
-        return _native.call("pack_bits", values, bits)
-    if values.device.type == "cpu" and _native.cpu_ready("pack_bits"):
-        return _native.call("pack_bits", values, bits)
-    return pack_bits_reference(values, bits)
+    return _dispatch("pack_bits", values, pack_bits_reference, values, bits)
 
 
 @pack_bits.register_fake
@@ -97,11 +96,7 @@ def _pack_bits_fake(values, bits):
 @torch.library.custom_op("actcore::unpack_bits", mutates_args=())
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """The first ``numel`` values of a ``pack_bits`` payload, as a flat uint8 tensor."""
-    if packed.is_cuda and _native.ready("unpack_bits"):
-        return _native.call("unpack_bits", packed, bits, numel)
-    if packed.device.type == "cpu" and _native.cpu_ready("unpack_bits"):
-        return _native.call("unpack_bits", packed, bits, numel)
-    return unpack_bits_reference(packed, bits, numel)
+    return _dispatch("unpack_bits", packed, unpack_bits_reference, packed, bits, numel)
 
 
 @unpack_bits.register_fake
@@ -112,11 +107,7 @@ def _unpack_bits_fake(packed, bits, numel):
 @torch.library.custom_op("actcore::hash_uniform", mutates_args=())
 def hash_uniform(index: torch.Tensor, seed: int) -> torch.Tensor:
     """The stochastic-rounding noise in [0, 1) of int64 element indices, as float32."""
-    if index.is_cuda and _native.ready("hash_uniform"):
-        return _native.call("hash_uniform", index, seed)
-    if index.device.type == "cpu" and _native.cpu_ready("hash_uniform"):
-        return _native.call("hash_uniform", index, seed)
-    return uniform_noise(index, seed)
+    return _dispatch("hash_uniform", index, uniform_noise, index, seed)
 
 
 @hash_uniform.register_fake
@@ -130,11 +121,7 @@ def masked_quantize(
 ) -> _Tensors3:
     """``quantize`` of the elements of ``x`` a packed 1-bit mask selects, as one row."""
     args = (x, mask, bits, group_size, stochastic, seed)
-    if x.is_cuda and _native.ready("masked_quantize"):
-        return _native.call("masked_quantize", *args)
-    if x.device.type == "cpu" and _native.cpu_ready("masked_quantize"):
-        return _native.call("masked_quantize", *args)
-    return masked_quantize_reference(*args)
+    return _dispatch("masked_quantize", x, masked_quantize_reference, *args)
 
 
 @masked_quantize.register_fake
@@ -160,11 +147,7 @@ def masked_dequantize(
 ) -> torch.Tensor:
     """Inverse of ``masked_quantize``: zeros of ``shape`` with the values at the mask's bits."""
     args = (payload, lo, step, mask, bits, group_size, shape, dtype)
-    if payload.is_cuda and _native.ready("masked_dequantize"):
-        return _native.call("masked_dequantize", *args)
-    if payload.device.type == "cpu" and _native.cpu_ready("masked_dequantize"):
-        return _native.call("masked_dequantize", *args)
-    return masked_dequantize_reference(*args)
+    return _dispatch("masked_dequantize", payload, masked_dequantize_reference, *args)
 
 
 @masked_dequantize.register_fake
@@ -175,11 +158,7 @@ def _masked_dequantize_fake(payload, lo, step, mask, bits, group_size, shape, dt
 @torch.library.custom_op("actcore::apply_mask", mutates_args=())
 def apply_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``x`` where a packed 1-bit mask is set, +0 elsewhere (contiguous)."""
-    if x.is_cuda and _native.ready("apply_mask"):
-        return _native.call("apply_mask", x, mask)
-    if x.device.type == "cpu" and _native.cpu_ready("apply_mask"):
-        return _native.call("apply_mask", x, mask)
-    return apply_mask_reference(x, mask)
+    return _dispatch("apply_mask", x, apply_mask_reference, x, mask)
 
 
 @apply_mask.register_fake
