@@ -15,40 +15,17 @@ in backward, as with checkpointing the attention alone.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .autocast_replay import autocast_state, replayed_autocast
 from .compressors import IDENTITY
 from .engine import OTHER, stash, unstash
+from .forward_state import forward_state, plain_saves, replayed
 
 __all__ = ["AttentionFunction", "attention"]
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextlib.contextmanager
-def _replayed_rng(state: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device):
-    if state is None:
-        yield
-        return
-    devices = [device] if state[1] is not None else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
-        yield
-
-
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 def _sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor:
@@ -81,14 +58,12 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, layer):
-        ctx.rng = _rng_state(q.device) if dropout_p > 0 else None
-        ctx.autocast = autocast_state(q.device)
+        ctx.state = forward_state(q.device, rng=dropout_p > 0)  # rerun in backward under it
         if isinstance(mask, torch.Tensor) and mask.requires_grad:
             out = _sdpa_as_with_grad(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
         else:
             out = _sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
         ctx.args = (dropout_p, is_causal, scale, enable_gqa)
-        ctx.device = q.device
         mask_tensor = mask if isinstance(mask, torch.Tensor) else None
         ctx.mask_value = None if mask_tensor is not None else mask
         stash(ctx, layer, [(q, OTHER), (k, OTHER), (v, OTHER), (mask_tensor, IDENTITY)])
@@ -105,9 +80,7 @@ class AttentionFunction(torch.autograd.Function):
         for t, need in zip((q, k, v, mask), needs, strict=True):
             leaves.append(t.detach().requires_grad_(True) if need and t is not None else t)
         wanted = [t for t, need in zip(leaves, needs, strict=True) if need and t is not None]
-        hooks = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
-        replay = _replayed_rng(ctx.rng, ctx.device)
-        with torch.enable_grad(), hooks, replay, replayed_autocast(ctx.autocast):
+        with torch.enable_grad(), plain_saves(), replayed(ctx.state):
             out = _sdpa(*leaves, *ctx.args)
             found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
         grads = [

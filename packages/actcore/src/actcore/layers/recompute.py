@@ -28,7 +28,6 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..autocast_replay import autocast_state, replayed_autocast
 from ..compressors import IDENTITY
 from ..engine import (
     ACTIVATION,
@@ -40,6 +39,7 @@ from ..engine import (
     stash,
     unstash,
 )
+from ..forward_state import forward_state, plain_saves, replayed
 
 __all__ = [
     "RecomputedModule",
@@ -54,10 +54,6 @@ _CLASSES: dict[type, type] = {}
 _ACTIVATIONS: set[type] = set()
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
 class RecomputeFunction(torch.autograd.Function):
     """``forward(x)``, keeping ``x`` compressed and recomputing ``forward`` in backward.
 
@@ -70,7 +66,7 @@ class RecomputeFunction(torch.autograd.Function):
     def forward(ctx, x, forward, layer, normalize, *params):
         out = forward(x)
         dtype = x.dtype
-        autocast = autocast_state(x.device)  # the rerun in backward runs under it too
+        state = forward_state(x.device)  # the rerun in backward runs under it too
         comp = choose(layer, ROW_NORM if normalize else ACTIVATION, x)
         if normalize and comp.lossy:  # the error is then relative to each row's own scale
             rstd = x.float().square().mean(-1, keepdim=True)
@@ -78,19 +74,19 @@ class RecomputeFunction(torch.autograd.Function):
             parts = stash(ctx, layer, [(x.float() * rstd, comp), (rstd, IDENTITY)])
 
             def output(x_hat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-                with replayed_autocast(autocast):
+                with replayed(state):
                     return forward((x_hat / rstd).to(dtype))
 
         else:
             parts = stash(ctx, layer, [(x, comp), (None, IDENTITY)])
 
             def output(x: torch.Tensor, _: None) -> torch.Tensor:
-                with replayed_autocast(autocast):
+                with replayed(state):
                     return forward(x)
 
         derive_output(ctx, output, parts)  # whoever saves the output refers to these
         ctx.normalized, ctx.dtype, ctx.forward = normalize and comp.lossy, dtype, forward
-        ctx.params, ctx.autocast = params, autocast
+        ctx.params, ctx.state = params, state
         return out
 
     @staticmethod
@@ -105,8 +101,7 @@ class RecomputeFunction(torch.autograd.Function):
         x = x.detach().requires_grad_(needs[0])
         inputs = [x, *ctx.params]
         wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
-        hooks = torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
-        with torch.enable_grad(), hooks, replayed_autocast(ctx.autocast):
+        with torch.enable_grad(), plain_saves(), replayed(ctx.state):
             out = ctx.forward(x)
             found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
         grads = [next(found) if need else None for need in needs]
