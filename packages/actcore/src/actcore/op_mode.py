@@ -177,6 +177,10 @@ class OpMode(ExactOps):
                 self.attention -= 1
                 self.attention_inputs, self.attention_numel = outer
         out = func(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # Dynamo traces this mode: the per-tensor bookkeeping below keys tensors by
+            # identity and storage, which a traced graph's intermediates do not have
+            return out
         if self.marks is not None:
             self.marks.follow(out, args, kwargs)
         if self.router is not None:

@@ -418,6 +418,14 @@ _TABLE = _table()
 _PRODUCTS = frozenset({torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__})
 
 
+@torch.compiler.disable
+def _run_eagerly(handler: Any, router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
+    """A routed call runs outside Dynamo's trace (a graph break under torch.compile): its
+    bookkeeping keys tensors by identity and draws a fresh rounding seed every call, which a
+    traced graph would freeze into constants."""
+    return handler(router, args, kwargs)
+
+
 class FunctionalRouter:
     """Routes functional calls (see the module docstring) at one level of the layer route.
 
@@ -441,7 +449,7 @@ class FunctionalRouter:
             # checkpoint drops what is saved in its region and reruns it in backward, where
             # no scope routes: both runs must save the same tensors, so the op stays plain
             return NotImplemented
-        return handler(self, args, kwargs)
+        return _run_eagerly(handler, self, args, kwargs)
 
     def after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """After an unrouted call: what its output derives from, for products (a gated MLP's

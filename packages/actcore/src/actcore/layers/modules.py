@@ -43,9 +43,12 @@ class QLayer:
     act_scheme: Any = None
     act_adaptive_bits = True  # whether adaptive bit plans (L3) choose its bits
 
+    @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A Q-layer is its own tailored treatment: the functional-op router of a converted
         # model's scope has nothing to do inside it (and would only add per-call overhead).
+        # Under torch.compile it runs eagerly (a graph break): its bookkeeping keys tensors by
+        # identity and draws a fresh rounding seed every call, which a trace would freeze.
         return call_outside_modes(super().__call__, args, kwargs)  # type: ignore[misc]
 
     def _compresses(self, *tensors: torch.Tensor | None) -> bool:
