@@ -71,6 +71,37 @@ def test_plan_respects_budget_and_beats_uniform() -> None:
     assert len(set(plans["3"])) == 1
 
 
+def test_a_layer_reusing_a_stored_input_adds_its_sensitivity_to_the_owner() -> None:
+    """q/k/v projections of one input store it once (the first one packs it): the stored
+    error reaches every one of their weight gradients, so the reusing layers' sensitivities
+    count in the owner's allocation unit."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.v = nn.Linear(64, 32), nn.Linear(64, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.q(x).square().mean() + 100 * self.v(x).square().mean()
+
+    torch.manual_seed(0)
+    model = actcore.convert(Shared(), level="L3")
+    scheme = model.act_adaptive
+    x = _heterogeneous_batch()
+    for _ in range(3):
+        model.zero_grad()
+        model(x).backward()
+    q, v = scheme.layers["q"], scheme.layers["v"]
+    assert v.shares == "q" and q.shares is None
+    assert v.profile is None and q.profile is not None  # v stored nothing of its own
+    assert float(v.sens) > 100 * float(q.sens)
+    weights = {rank: w for name, rank, w, _ in scheme._items() if name == "q"}
+    expected = (float(q.sens) + float(v.sens)) * q.profile.double() / 4
+    found = torch.tensor([weights[r] for r in sorted(weights)], dtype=torch.float64)
+    assert torch.allclose(found, expected)
+    assert [name for name, *_ in scheme._items()] == ["q"] * len(weights)
+
+
 def test_normalization_layers_never_go_below_the_budget() -> None:
     """A norm's input error reaches the input gradient: it keeps >= ceil(budget) bits, even
     where its own weight-gradient variance alone would hand it 1 bit; the budget holds."""

@@ -78,9 +78,10 @@ from .compressors import (
     sample_range_weights,
 )
 from .config import config
-from .engine import CONV, NORM
+from .engine import CONV, NORM, records
 
 _DEFAULT_WINDOW = 4
+_PLANNED_BY = "adaptive bits of"  # engine record: the layer whose plan packs the tensor
 
 log = logging.getLogger("actcore")
 
@@ -95,6 +96,7 @@ class _LayerStats:
     zero_value: bool = False
     plan: list[int] = field(default_factory=list)  # bits by rank (non-increasing)
     norm: bool = False  # a normalization layer (its input error reaches the input gradient)
+    shares: str | None = None  # the layer whose stored input this one reuses (stored once)
     grads: torch.Tensor | None = None  # [samples]: squared output-grad norm (NaN: unseen)
     # finite values taken into sens / profile so far (None: every value was finite)
     sens_seen: torch.Tensor | None = None
@@ -215,6 +217,11 @@ def _finite_ema(
     old.copy_(torch.where(taken, averaged, old))
     seen.add_(taken.long())
     return old, seen, taken
+
+
+def _finite(value: torch.Tensor | None, seen: torch.Tensor | None) -> bool:
+    """Whether a statistic has a finite value (host read: at replans only)."""
+    return value is not None and (seen is None or int(seen) > 0) and math.isfinite(float(value))
 
 
 def _gain(weight: float, bits: int) -> float:
@@ -380,6 +387,9 @@ class AdaptiveBits:
         if name is None or x.dim() == 0 or x.shape[0] == 0 or role not in (CONV, NORM):
             return None  # (row norms, activations: the level's own bits)
         stats = self.layers.setdefault(name, _LayerStats())
+        # the first layer asked for x packs it; later ones reuse that packing (stored once)
+        owner = records().setdefault(x).setdefault(_PLANNED_BY, name)
+        stats.shares = None if owner == name else owner
         gs = config.group_size
         n = x.shape[0]
         collect = self.collecting()
@@ -561,13 +571,20 @@ class AdaptiveBits:
 
     def _items(self) -> list[tuple[str, int, float, float]]:
         """``(layer, rank, weight, cost)`` of every allocation unit (host values)."""
+        # A layer reusing another's stored input (k/v beside q, up beside gate) has no
+        # profile of its own; the stored error reaches its weight gradient too, so its
+        # sensitivity adds to the owner's.
+        shared: dict[str, float] = {}
+        for st in self.layers.values():
+            if st.shares is not None and st.profile is None and _finite(st.sens, st.sens_seen):
+                shared[st.shares] = shared.get(st.shares, 0.0) + float(st.sens)
         items = []
         for name, st in self.layers.items():
             if st.sens is None or st.profile is None or st.elems is None:
                 continue
             if any(seen is not None and int(seen) == 0 for seen in (st.sens_seen, st.profile_seen)):
                 continue  # no finite value yet
-            sens, elems = float(st.sens), float(st.elems)
+            sens, elems = float(st.sens) + shared.get(name, 0.0), float(st.elems)
             profile = st.profile.double().cpu().tolist()
             if not all(math.isfinite(v) for v in (sens, elems, *profile)):
                 continue
