@@ -1,6 +1,8 @@
 """Llama (4 layers, hidden 512, batch 2): bytes kept for backward, gradient cosine and step
 time per sequence length, side by side in one run, for plain sdpa, eager attention,
 per-layer activation checkpointing, checkpointing + ACT, and ACT at act_hf's default.
+``act-logits8`` is an ablation of ACT's loss: the cross-entropy keeps its logits at 8 bits
+instead of recomputing them from the LM head's input in backward (what ``act`` does).
 
 Bytes: the CPU profiler's self memory of one training forward (independent of actcore).
 Cosine: all parameter gradients against plain sdpa's, second step after conversion.
@@ -12,6 +14,7 @@ Time: median of ``--repeats`` forward+backward steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -19,15 +22,17 @@ import statistics
 import time
 import warnings
 from datetime import datetime, timezone
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import act_hf
+import actcore.loss
 from actcore.memory import profiled_bytes
 
-VARIANTS = ("sdpa", "eager", "ckpt", "ckpt+act", "act")
+VARIANTS = ("sdpa", "eager", "ckpt", "ckpt+act", "act", "act-logits8")
 
 
 def build(attn: str) -> LlamaForCausalLM:
@@ -49,7 +54,7 @@ def variant(name: str) -> LlamaForCausalLM:
     model = build("eager" if name == "eager" else "sdpa")
     if name.startswith("ckpt"):
         model.gradient_checkpointing_enable()
-    if name in ("act", "ckpt+act"):
+    if name in ("act", "ckpt+act", "act-logits8"):
         act_hf.convert(model)
     model.train()
     return model
@@ -79,17 +84,29 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqs", default="256,1024,2048,4096")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", default=",".join(VARIANTS), help="sdpa is always run first")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    names = ["sdpa", *(v for v in args.variants.split(",") if v != "sdpa")]
+    unknown = set(names) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     warnings.filterwarnings("ignore")
     rows = []
     for seq in [int(s) for s in args.seqs.split(",")]:
         ids = torch.randint(0, 1000, (2, seq), generator=torch.Generator().manual_seed(1))
         ref_bytes = ref_grads = None
-        for name in VARIANTS:
+        for name in names:
             model = variant(name)
-            step(model, ids)  # the first step (the loss finds the head)
-            held, grads, _ = step(model, ids)
+            ablation = (
+                mock.patch.object(actcore.loss, "linear_source", lambda _logits: None)
+                if name == "act-logits8"
+                else contextlib.nullcontext()
+            )
+            with ablation:
+                step(model, ids)  # the first step (the loss finds the head)
+                held, grads, _ = step(model, ids)
+                step_time = timed(model, ids, args.repeats)
             if name == "sdpa":
                 ref_bytes, ref_grads = held, grads
             row = {
@@ -98,11 +115,11 @@ def main() -> None:
                 "mib": held / 2**20,
                 "ratio": ref_bytes / held,
                 "grad_cosine": F.cosine_similarity(ref_grads, grads, dim=0).item(),
-                "step_time_s": timed(model, ids, args.repeats),
+                "step_time_s": step_time,
             }
             rows.append(row)
             print(
-                f"seq {seq:5d} {name:9s} {row['mib']:8.1f} MiB  x{row['ratio']:5.2f}  "
+                f"seq {seq:5d} {name:11s} {row['mib']:8.1f} MiB  x{row['ratio']:5.2f}  "
                 f"cos {row['grad_cosine']:.4f}  {row['step_time_s']:.2f} s",
                 flush=True,
             )
