@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .ops.api import check_bits
+from .pass_stats import PassStats
 
 log = logging.getLogger("actcore")
 
@@ -264,8 +265,6 @@ class AdaptivePolicy(Policy):
         salt = 2 * self.estimates + 1
 
         def run(seeds: _Seeds) -> tuple[torch.Tensor, Any]:
-            from .hooks import PassStats
-
             for p in params:
                 p.grad = None
             engine.seeds, engine.stats = seeds, PassStats()
