@@ -80,6 +80,8 @@ from .compressors import (
 from .config import config
 from .engine import CONV, NORM
 
+__all__ = ["AdaptiveBits", "ScoredPerSampleQuantize"]
+
 _DEFAULT_WINDOW = 4
 
 log = logging.getLogger("actcore")

@@ -11,6 +11,8 @@ import contextlib
 import sys
 from collections.abc import Iterator, Sequence
 
+__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "build_parser", "main"]
+
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 

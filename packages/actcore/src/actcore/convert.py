@@ -40,6 +40,7 @@ __all__ = [
     "convert",
     "default_fewbit_bits",
     "is_excluded",
+    "q_layer_converter",
 ]
 
 log = logging.getLogger("actcore")

@@ -45,12 +45,14 @@ log = logging.getLogger("actcore")
 __all__ = [
     "ACGC",
     "HOOK_LEVELS",
+    "POLICY_OPTIONS",
     "AdaptivePolicy",
     "AutoPrecision",
     "FixedBits",
     "HookLevel",
     "Policy",
     "as_policy",
+    "check_iteration",
     "hook_level",
     "make_policy",
 ]

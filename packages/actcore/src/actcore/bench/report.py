@@ -25,6 +25,28 @@ from typing import Any, TypeVar
 
 import torch
 
+__all__ = [
+    "EXIT_INTERRUPTED",
+    "OUTPUT_OPTIONS",
+    "Column",
+    "atomic_path",
+    "check_output_path",
+    "check_outputs",
+    "command_line",
+    "config_from_args",
+    "console",
+    "cpu_model",
+    "fmt_bytes",
+    "fmt_float",
+    "machine_info",
+    "markdown",
+    "progress",
+    "result",
+    "run_guarded",
+    "table",
+    "write_json",
+]
+
 EXIT_INTERRUPTED = 130
 _Config = TypeVar("_Config")
 

@@ -22,6 +22,8 @@ from .memory import MemoryConfig, _positive, _split, measure_level, resolve_devi
 from .models import check_model, default_image_size
 from .routes import check_levels
 
+__all__ = ["COLUMNS", "SweepConfig", "figure", "main", "plot", "register", "run"]
+
 
 @dataclass
 class SweepConfig:

@@ -48,6 +48,7 @@ __all__ = [
     "render_data",
     "render_source",
     "shipped_tables",
+    "tables_match",
 ]
 
 MAX_BITS = 4

@@ -30,6 +30,26 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "CPU_DEFAULT_ON",
+    "OPS",
+    "NativeUnavailableWarning",
+    "call",
+    "cpu_active",
+    "cpu_disabled",
+    "cpu_kernels",
+    "cpu_ready",
+    "cpu_status",
+    "disabled",
+    "load",
+    "load_cpu",
+    "loaded",
+    "ready",
+    "register",
+    "set_cpu_kernels",
+    "status",
+]
+
 OPS = (
     "quantize",
     "dequantize",
