@@ -79,7 +79,7 @@ def run(
 
 def figure(cfg: SweepConfig, rows: list[dict[str, Any]]) -> Any:
     """A matplotlib Figure: throughput against batch per level, red crosses at out of memory."""
-    from matplotlib.figure import Figure
+    Figure = report.optional_import("matplotlib.figure").Figure
 
     fig = Figure(figsize=(6.4, 4.2), dpi=120)
     ax = fig.subplots()

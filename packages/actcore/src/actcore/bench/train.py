@@ -508,7 +508,7 @@ def _zoom(ax: Any, ends: list[list[float]], lower: float, margin: float) -> None
 
 def figure(cfg: TrainConfig, rows: list[dict[str, Any]]) -> Any:
     """Training loss (left) and validation loss or test accuracy (right) against step."""
-    from matplotlib.figure import Figure
+    Figure = report.optional_import("matplotlib.figure").Figure
 
     cfg = cfg.resolved()
     fig = Figure(figsize=(11, 4.2), dpi=120)
