@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 
 import actcore
 from actcore import cli
@@ -21,21 +22,7 @@ TINY = ["--model", "tiny-cnn", "--batch", "4", "--steps", "1", "--quiet", "--thr
 ENVELOPE = {"benchmark", "machine", "torch", "date", "command", "config", "partial", "rows"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one torch thread is as fast, and far faster on a busy shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def run_cli(args: list[str]) -> int:
-    """``cli.main(args)``, with argparse's SystemExit turned into its code."""
-    try:
-        return cli.main(args)
-    except SystemExit as exc:
-        return int(exc.code or 0)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def load(path: Path) -> dict:
