@@ -18,9 +18,10 @@ except ModuleNotFoundError:  # Python 3.10
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {"actcore", "act-mm", "act-hf", "act-pyg"}
 # All that each package may require at run time (canonical names): an adapter brings
-# actcore and its one framework, nothing of the others'.
+# actcore and its one framework, nothing of the others'. (actcore's command line needs rich
+# and matplotlib too: its `cli` extra.)
 RUNTIME = {
-    "actcore": {"torch", "numpy", "rich"},
+    "actcore": {"torch", "numpy"},
     "act-mm": {"actcore", "mmengine"},
     "act-hf": {"actcore", "transformers"},
     "act-pyg": {"actcore", "torch-geometric"},

@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import bn_mlp
 from torch import nn
 
 import actcore
@@ -15,17 +16,7 @@ from actcore.adaptive import AdaptiveBits, ScoredPerSampleQuantize, _LayerStats
 from actcore.compressors import PerSampleQuantize, Quantize, sample_range_weights
 from actcore.config import config
 
-
-@pytest.fixture(autouse=True)
-def _small_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config, "min_numel", 0)
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 4)
-    )
+pytestmark = pytest.mark.usefixtures("small_tensors")
 
 
 def _heterogeneous_batch(n: int = 16) -> torch.Tensor:
@@ -42,7 +33,7 @@ def _train(model: nn.Module, steps: int) -> None:
 
 
 def test_convert_attaches_at_adaptive_levels_only() -> None:
-    model = actcore.convert(_model(), level="L3")
+    model = actcore.convert(bn_mlp(), level="L3")
     scheme = model.act_adaptive
     assert isinstance(scheme, AdaptiveBits)
     assert all(model[i].act_scheme is scheme for i in (0, 1, 3, 4))
@@ -53,7 +44,7 @@ def test_convert_attaches_at_adaptive_levels_only() -> None:
 
 
 def test_plan_respects_budget_and_beats_uniform() -> None:
-    model = actcore.convert(_model(), level="L3")
+    model = actcore.convert(bn_mlp(), level="L3")
     scheme = model.act_adaptive
     scheme.interval = 4
     _train(model, 9)  # the plan is recomputed at steps 4 and 8
@@ -115,7 +106,7 @@ def test_normalization_layers_never_go_below_the_budget() -> None:
     assert min(scheme.layers["ln"].plan) >= 2
     assert min(scheme.layers["lin2"].plan) == 1  # the same statistics, not a norm
     assert scheme.average_bits() <= scheme.budget + 1e-9
-    model = actcore.convert(_model(), level="L3")
+    model = actcore.convert(bn_mlp(), level="L3")
     _train(model, 1)
     norms = {n for n, st in model.act_adaptive.layers.items() if st.norm}
     assert norms == {"1"}  # the BatchNorm1d, marked from its backward
@@ -149,14 +140,14 @@ def test_allocation_is_optimal_on_small_instances(budget: float) -> None:
 
 
 def test_state_dict_round_trip_keeps_plan() -> None:
-    model = actcore.convert(_model(), level="L3")
+    model = actcore.convert(bn_mlp(), level="L3")
     model.act_adaptive.interval = 3
     _train(model, 4)
     state = model.act_adaptive.state_dict()
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    resumed = actcore.convert(_model(), level="L3")
+    resumed = actcore.convert(bn_mlp(), level="L3")
     resumed.act_adaptive.load_state_dict(torch.load(buffer))
     a, b = model.act_adaptive, resumed.act_adaptive
     assert {n: s.plan for n, s in a.layers.items()} == {n: s.plan for n, s in b.layers.items()}
@@ -219,7 +210,7 @@ def test_mixed_bits_gradient_unbiased() -> None:
 
 def test_no_host_reads_between_replans(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step that does not replan reads nothing back from tensors (no device sync)."""
-    model = actcore.convert(_model(), level="L3")
+    model = actcore.convert(bn_mlp(), level="L3")
     model.act_adaptive.interval = 3
     _train(model, 4)  # one replan at step 3; step 5 below does not replan
 
@@ -233,7 +224,7 @@ def test_no_host_reads_between_replans(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_steps_counted_when_first_layer_saves_nothing() -> None:
     """A frozen first layer saves no input: the step count (and replanning) still advances."""
-    model = actcore.convert(_model(), level="L3")
+    model = actcore.convert(bn_mlp(), level="L3")
     model[0].requires_grad_(False)
     scheme = model.act_adaptive
     scheme.interval = 2
@@ -307,14 +298,14 @@ def test_sample_index_unseen_samples_get_batch_mean() -> None:
 
 
 def test_sample_index_state_dict_round_trip_keeps_table() -> None:
-    model = actcore.convert(_model(), level="L3")
+    model = actcore.convert(bn_mlp(), level="L3")
     model.act_adaptive.interval = 3
     x, index = _heterogeneous_batch(), torch.arange(16).flip(0)
     _train_indexed(model, 4, x, index, torch.linspace(0.1, 3, 16))
     buffer = io.BytesIO()
     torch.save(model.act_adaptive.state_dict(), buffer)
     buffer.seek(0)
-    resumed = actcore.convert(_model(), level="L3")
+    resumed = actcore.convert(bn_mlp(), level="L3")
     resumed.act_adaptive.load_state_dict(torch.load(buffer))
     a, b = model.act_adaptive, resumed.act_adaptive
     for name, st in a.layers.items():
@@ -330,8 +321,8 @@ def test_sample_index_state_dict_round_trip_keeps_table() -> None:
 
 def test_without_sample_index_behaviour_unchanged() -> None:
     """No index: the same plans, statistics and compressors as a scheme without the option."""
-    plain = actcore.convert(_model(), level="L3")
-    opted = actcore.convert(_model(), level="L3")
+    plain = actcore.convert(bn_mlp(), level="L3")
+    opted = actcore.convert(bn_mlp(), level="L3")
     opted.act_adaptive = AdaptiveBits(opted, num_samples=1000, sample_momentum=0.5)
     for model in (plain, opted):
         model.act_adaptive.interval = 3
@@ -355,7 +346,7 @@ def test_without_sample_index_behaviour_unchanged() -> None:
 
 
 def test_sample_index_validation() -> None:
-    model = actcore.convert(_model(), level="L3")
+    model = actcore.convert(bn_mlp(), level="L3")
     scheme = model.act_adaptive
     with pytest.raises(TypeError, match=r"torch\.float32"):
         scheme.set_sample_index(torch.arange(16.0))
@@ -379,7 +370,7 @@ def test_sample_index_validation() -> None:
 
 def test_sample_index_no_host_reads_between_replans(monkeypatch: pytest.MonkeyPatch) -> None:
     """With an index set beforehand, a step reads no tensor values back."""
-    model = actcore.convert(_model(), level="L3")
+    model = actcore.convert(bn_mlp(), level="L3")
     model.act_adaptive.interval = 3
     x, index = _heterogeneous_batch(), torch.arange(16)
     _train_indexed(model, 4, x, index, torch.ones(16))

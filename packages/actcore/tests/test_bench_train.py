@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_cli
 
-from actcore import cli
 from actcore.bench import data, train
 from actcore.bench.gpt import CharGPT, GPTConfig, apply_rotary, rotary_tables
 from actcore.bench.tasks import Mnist1DTask, ShakespeareChar
@@ -26,20 +26,7 @@ from actcore.bench.tasks import Mnist1DTask, ShakespeareChar
 ENVELOPE = {"benchmark", "machine", "torch", "date", "command", "config", "partial", "rows"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small models on a shared CPU: one torch thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def run_cli(args: list[str]) -> int:
-    try:
-        return cli.main(args)
-    except SystemExit as exc:
-        return int(exc.code or 0)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 
 import actcore
 from actcore import cli
@@ -21,21 +22,7 @@ TINY = ["--model", "tiny-cnn", "--batch", "4", "--steps", "1", "--quiet", "--thr
 ENVELOPE = {"benchmark", "machine", "torch", "date", "command", "config", "partial", "rows"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one torch thread is as fast, and far faster on a busy shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def run_cli(args: list[str]) -> int:
-    """``cli.main(args)``, with argparse's SystemExit turned into its code."""
-    try:
-        return cli.main(args)
-    except SystemExit as exc:
-        return int(exc.code or 0)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def load(path: Path) -> dict:
@@ -361,3 +348,48 @@ def test_write_json_is_atomic_and_leaves_no_temporary(tmp_path, monkeypatch):
     report.write_json(out, {"rows": [1]})
     assert json.loads(out.read_text()) == {"rows": [1]}
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+# --------------------------------------------------------------------------------------------
+# rich and matplotlib: the `cli` extra, needed by the command line only
+# --------------------------------------------------------------------------------------------
+
+RICH = ("rich", "rich.console", "rich.table", "rich.progress")
+
+
+def test_missing_rich_names_the_cli_extra(monkeypatch, capsys):
+    for name in RICH:
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    with pytest.raises(report.MissingExtra, match=r"pip install 'actcore\[cli\]'"):
+        report.console()
+    assert run_cli(["bench", "memory", *TINY, "--levels", "L3"]) == 1
+    assert "pip install 'actcore[cli]'" in capsys.readouterr().err
+
+
+def test_png_without_matplotlib_is_refused_before_the_run(tmp_path, monkeypatch, capsys):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the benchmark ran before matplotlib was checked")
+
+    monkeypatch.setattr(sweep, "run", must_not_run)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert run_cli(["bench", "sweep", "--quiet", "--png", str(tmp_path / "s.png")]) == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+def test_the_library_needs_neither_rich_nor_matplotlib():
+    """Every actcore module imports, and a model trains a step, with both blocked."""
+    code = (
+        "import sys, importlib, pkgutil\n"
+        "for name in ('rich', 'matplotlib'):\n"
+        "    sys.modules[name] = None\n"
+        "import torch, actcore\n"
+        "for info in pkgutil.walk_packages(actcore.__path__, prefix='actcore.'):\n"
+        "    if not info.name.endswith('__main__'):\n"
+        "        importlib.import_module(info.name)\n"
+        "model = actcore.convert(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()))\n"
+        "model(torch.randn(4, 8, requires_grad=True)).sum().backward()\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torchvision
+from conftest import forward_backward
 from torch import nn
 
 import actcore
@@ -36,11 +37,8 @@ def _mlp() -> nn.Sequential:
 
 def _step(model: nn.Module, x: torch.Tensor, seed: int = 11):
     """One seeded forward/backward; returns the output and every parameter's gradient."""
-    model.zero_grad()
-    torch.manual_seed(seed)
-    out = model(x)
-    out.square().mean().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    out, grads = forward_backward(model, x, seed=seed, mean=True)
+    return out, dict(zip((n for n, _ in model.named_parameters()), grads, strict=True))
 
 
 @pytest.mark.parametrize("factory, shape", [(_resnet18, (2, 3, 32, 32)), (_mlp, (16, 32))])

@@ -9,24 +9,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import bn_mlp
 from torch import nn
 
 import actcore
 from actcore.adaptive import AdaptiveBits
-from actcore.config import config
 from actcore.controller import Controller
 
-
-@pytest.fixture(autouse=True)
-def _small_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config, "min_numel", 0)
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 4)
-    )
+pytestmark = pytest.mark.usefixtures("small_tensors")
 
 
 def _batch(step: int, n: int = 16) -> torch.Tensor:
@@ -53,7 +43,7 @@ def _all_finite(scheme: AdaptiveBits) -> bool:
 
 def test_adaptive_bits_skips_non_finite_steps(caplog: pytest.LogCaptureFixture) -> None:
     """A NaN loss and an inf input leave the statistics finite; counted and logged once."""
-    model = actcore.convert(_model(), level="L3")
+    model = actcore.convert(bn_mlp(), level="L3")
     scheme = model.act_adaptive
     scheme.interval = 4
     with caplog.at_level(logging.WARNING, logger="actcore"):
@@ -118,7 +108,7 @@ def test_policy_estimate_with_nan_gradients_is_dropped(
 
 def _amp_run(overflow: bool, steps: int = 40) -> AdaptiveBits:
     """fp16 autocast + GradScaler on CPU; with ``overflow`` every 10th step overflows."""
-    model = actcore.convert(_model(), level="L3")
+    model = actcore.convert(bn_mlp(), level="L3")
     scheme = model.act_adaptive
     scheme.interval = 10
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -153,7 +143,7 @@ def test_amp_fp16_overflow_every_tenth_step_keeps_statistics_and_plan_quality() 
 
 
 def test_resumed_state_replans_identically_norms_included() -> None:
-    model = actcore.convert(_model(), level="L3")
+    model = actcore.convert(bn_mlp(), level="L3")
     scheme = model.act_adaptive
     scheme.interval = 100
     for step in range(7):
@@ -174,7 +164,7 @@ def test_resumed_state_replans_identically_norms_included() -> None:
 
 
 def _trained_scheme() -> AdaptiveBits:
-    model = actcore.convert(_model(), level="L3")
+    model = actcore.convert(bn_mlp(), level="L3")
     model.act_adaptive.interval = 3
     for step in range(4):
         model.zero_grad()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-import runpy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -284,10 +284,23 @@ def test_shipped_tables_equal_fresh_computation(key) -> None:
     assert set(fb_tables.shipped_tables()) == {*DERIVATIVES, "gelu(approximate='tanh')"}
 
 
+def test_shipped_data_file_regenerates() -> None:
+    """``tables.json`` is what the generator writes: every table recomputed (about 3 s)
+    matches it to the last bits, and rendering the loaded tables gives the file back."""
+    shipped = fb_tables.shipped_tables()
+    fresh = [fb.compute_tables(name, **params) for name, params in fb_tables.SHIPPED_KEYS]
+    assert [f[1].key for f in fresh] == list(shipped)
+    for by_bits in fresh:
+        for bits, table in by_bits.items():
+            assert fb_tables.tables_match(table, shipped[table.key][bits], rtol=1e-12, atol=1e-15)
+    path = Path(fb_tables.__file__).with_name("tables.json")
+    assert fb_tables.render_data(shipped.values()) == path.read_text(encoding="utf-8")
+
+
 def test_table_command_writes_checks_and_prints(tmp_path, capsys) -> None:
-    out = tmp_path / "tables.py"
+    out = tmp_path / "tables.json"
     assert fb_tables.main(["--write", str(out), "--activation", "sigmoid"]) == 0
-    written = runpy.run_path(str(out))
+    written = fb_tables.read_tables_file(out)
     assert list(written["TABLES"]) == ["sigmoid"]
     assert written["META"]["distribution"] == fb.NORMAL.name
     shipped = fb_tables.shipped_tables()["sigmoid"]

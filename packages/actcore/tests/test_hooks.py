@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import flat, grad_cosine
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -25,12 +26,6 @@ def _grads(model: nn.Module, fn, *args) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
     fn(*args)
     return [p.grad.clone() for p in model.parameters()]
-
-
-def _cos(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    x = torch.cat([t.flatten().double() for t in a])
-    y = torch.cat([t.flatten().double() for t in b])
-    return float(F.cosine_similarity(x, y, dim=0))
 
 
 def test_bert_shaped_encoder_l12_keeps_10x_fewer_bytes() -> None:
@@ -74,7 +69,7 @@ def test_eight_bit_gradients_cosine() -> None:
     exact = _grads(model, step)
     with compress_saved_tensors("L1.1", model=model, min_numel=64):
         hooked = _grads(model, step)
-    assert _cos(exact, hooked) >= 0.99
+    assert grad_cosine(exact, hooked) >= 0.99
 
 
 def test_what_passes_through_and_what_is_packed() -> None:
@@ -189,7 +184,7 @@ def test_sdpa_and_bf16_autocast() -> None:
         t.grad = None
     with compress_saved_tensors(8, min_numel=1):
         attn()
-    assert _cos(exact, [t.grad for t in (q, k, v)]) >= 0.99
+    assert grad_cosine(exact, [t.grad for t in (q, k, v)]) >= 0.99
 
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
     x = torch.randn(32, 64)
@@ -209,7 +204,7 @@ def test_sdpa_and_bf16_autocast() -> None:
         out.float().square().mean().backward()
         hooked = [p.grad.clone() for p in model.parameters()]
     assert packed.retained_bytes < 0.75 * plain.retained_bytes  # bf16 compressed too
-    assert _cos(ref, hooked) >= 0.99
+    assert grad_cosine(ref, hooked) >= 0.99
 
 
 def test_checkpoint_innermost_hooks_win() -> None:
@@ -230,7 +225,7 @@ def test_checkpoint_innermost_hooks_win() -> None:
     with engine:
         hooked = _grads(model, step)
     assert seen == [x.shape]  # only the checkpoint's input went through our hooks
-    assert _cos(plain, hooked) >= 0.99
+    assert grad_cosine(plain, hooked) >= 0.99
     with compress_saved_tensors("L0", model=model):
         assert all(torch.equal(a, b) for a, b in zip(plain, _grads(model, step), strict=True))
 
@@ -241,7 +236,7 @@ def test_checkpoint_innermost_hooks_win() -> None:
     exact = _grads(model, partial)
     with compress_saved_tensors(8, model=model, min_numel=1):
         mixed = _grads(model, partial)
-    assert _cos(exact, mixed) >= 0.99
+    assert grad_cosine(exact, mixed) >= 0.99
 
 
 def test_linear_gradients_unbiased_within_theory() -> None:
@@ -258,11 +253,11 @@ def test_linear_gradients_unbiased_within_theory() -> None:
     def step() -> None:
         (model(x) * r).sum().backward()
 
-    exact = torch.cat([g.flatten() for g in _grads(model, step)]).double()
+    exact = flat(_grads(model, step)).double()
     draws = []
     for _ in range(60):
         with compress_saved_tensors(2, model=model, min_numel=1):
-            draws.append(torch.cat([g.flatten() for g in _grads(model, step)]).double())
+            draws.append(flat(_grads(model, step)).double())
     g = torch.stack(draws)
     n = g.shape[0]
     err = (g.mean(0) - exact).square().sum()

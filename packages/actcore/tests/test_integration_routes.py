@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import flat_grad, forward_backward
 from torch import nn
 
 import actcore
@@ -40,13 +41,6 @@ def _pair(act: nn.Module) -> tuple[nn.Module, nn.Module]:
     return ref, copy.deepcopy(ref)
 
 
-def _grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    model.zero_grad()
-    out = model(x)
-    out.square().sum().backward()
-    return out.detach(), [p.grad.clone() for p in model.parameters()]
-
-
 # --------------------------------------------------------------------------------------------
 # The swap: forward bitwise, state_dict, report, errors
 # --------------------------------------------------------------------------------------------
@@ -69,8 +63,8 @@ def test_swap_keeps_forward_bitwise_and_state_dict(act: nn.Module, route: str) -
     assert swapped.extra_repr().startswith(act.extra_repr())  # same constructor arguments
     assert ref.state_dict().keys() == model.state_dict().keys()
     x = torch.randn(32, 16, generator=torch.Generator().manual_seed(3)) * 3
-    out_ref, g_ref = _grads(ref, x)
-    out, g = _grads(model, x)
+    out_ref, g_ref = forward_backward(ref, x)
+    out, g = forward_backward(model, x)
     assert torch.equal(out, out_ref)
     for a, b in zip(g_ref, g, strict=True):
         assert torch.isfinite(b).all()
@@ -282,16 +276,10 @@ def _cnn_data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 3, 12, 12, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
-def _flat_grad(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    model.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
-
-
 def _adapted(policy: str, **options) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     model = actcore.convert(_cnn(), level="L3", policy=policy, **options)
     x, y = _cnn_data()
-    model.act_policy.iterate(lambda: _flat_grad(model, x, y))
+    model.act_policy.iterate(lambda: flat_grad(model, x, y))
     return model, (x, y)
 
 
@@ -307,10 +295,8 @@ def test_acgc_through_convert_keeps_gradient_error_under_bound(bound: float) -> 
     # every conv / BN input has a measured key, and the plan compresses
     assert set(policy.plan) == {"0:conv", "1:norm", "3:conv", "4:norm"}
     assert policy.average_bits() < 32 and policy.predicted_error <= bound
-    exact = _flat_grad(actcore.convert(_cnn(), level="L0"), x, y)
-    errors = torch.stack(
-        [(_flat_grad(model, x, y) - exact).norm() / exact.norm() for _ in range(8)]
-    )
+    exact = flat_grad(actcore.convert(_cnn(), level="L0"), x, y)
+    errors = torch.stack([(flat_grad(model, x, y) - exact).norm() / exact.norm() for _ in range(8)])
     rms = errors.square().mean().sqrt().item()
     assert rms <= bound, (rms, bound, policy.plan)
 

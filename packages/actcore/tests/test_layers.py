@@ -13,18 +13,16 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import forward_backward
 from torch import nn
 
 import actcore
 from actcore import memory, ops
-from actcore.config import config
 
 LEVELS = ("L0", "L1", "L2", "L3")
 
 
-@pytest.fixture(autouse=True)
-def _compress_small_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(config, "min_numel", 0)
+pytestmark = pytest.mark.usefixtures("small_tensors")
 
 
 # name -> (factory of the torch layer, input shape); input of a layer is N(0, 1) data
@@ -203,17 +201,11 @@ def _conv_bn_relu() -> nn.Sequential:
     )
 
 
-def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    model.zero_grad()
-    model(x).square().sum().backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
 def test_inplace_relu_l0_gradients_exact() -> None:
     ref = _conv_bn_relu()
     q = actcore.convert(copy.deepcopy(ref), level="L0")
     x = torch.randn(2, 3, 8, 8)
-    for a, b in zip(_grads(ref, x), _grads(q, x), strict=True):
+    for a, b in zip(forward_backward(ref, x)[1], forward_backward(q, x)[1], strict=True):
         assert torch.equal(a, b)
 
 
@@ -230,7 +222,7 @@ def test_inplace_relu_compressed_gradients_match_out_of_place(level: str) -> Non
         actcore.convert(model, level=level)
         torch.manual_seed(5)
         ops.reset_seed_stream()
-        results.append(_grads(model, x))
+        results.append(forward_backward(model, x)[1])
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import forward_backward
 from torch import nn
 
 import actcore
@@ -172,11 +173,8 @@ def _small_cnn() -> nn.Sequential:
 
 
 def _seeded_grads(model: nn.Module, x: torch.Tensor, seed: int = 3) -> list[torch.Tensor]:
-    torch.manual_seed(seed)
     ops.reset_seed_stream()
-    model.zero_grad()
-    model(x).square().sum().backward()
-    return [p.grad.clone() for p in model.parameters()]
+    return forward_backward(model, x, seed=seed)[1]
 
 
 def test_micro_batched_conv_backward_l3_1() -> None:

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import flat_grad
 from torch import nn
 
 from actcore.controller import Controller
@@ -29,9 +30,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _flat_grad(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    model.zero_grad(set_to_none=True)
-    F.cross_entropy(model(x), y).backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+    return flat_grad(model, x, y).double()
 
 
 def _rms_relative_error(c: Controller, x: torch.Tensor, y: torch.Tensor, draws: int) -> float:

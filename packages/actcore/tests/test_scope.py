@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import forward_backward, grad_cosine
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
@@ -54,15 +55,7 @@ X = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(1))
 
 
 def _step(model: nn.Module, x: torch.Tensor = X, seed: int = 3):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    out = model(x)
-    out.square().mean().backward()
-    return out.detach(), [p.grad.clone() for p in model.parameters()]
-
-
-def _flat(grads: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([g.flatten() for g in grads])
+    return forward_backward(model, x, seed=seed, mean=True)
 
 
 def _profiled_bytes(model: nn.Module, x: torch.Tensor) -> int:
@@ -102,7 +95,7 @@ def test_gradients_close(level: str, cos: float) -> None:
     ref = _model()
     _, g_ref = _step(ref)
     _, g = _step(actcore.convert(copy.deepcopy(ref), level))
-    assert F.cosine_similarity(_flat(g_ref), _flat(g), dim=0) > cos
+    assert grad_cosine(g_ref, g) > cos
 
 
 def test_functional_ops_are_compressed_beyond_the_q_layers() -> None:

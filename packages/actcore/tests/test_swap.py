@@ -7,6 +7,7 @@ import gc
 
 import pytest
 import torch
+from conftest import forward_backward
 from torch import nn
 
 import actcore
@@ -68,17 +69,11 @@ def _mlp() -> nn.Sequential:
     )
 
 
-def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    model.zero_grad()
-    model(x).square().sum().backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
 def test_swap_level_on_cpu_gradients_bitwise_l0() -> None:
     ref = actcore.convert(_mlp(), level="L0")
     swapped = actcore.convert(_mlp(), level="swap")
     x = torch.randn(32, 64)
-    for a, b in zip(_grads(ref, x), _grads(swapped, x), strict=True):
+    for a, b in zip(forward_backward(ref, x)[1], forward_backward(swapped, x)[1], strict=True):
         assert torch.equal(a, b)
 
 
@@ -117,10 +112,10 @@ def test_cuda_swap_levels_match_their_base(level: str, base: str) -> None:
     model = actcore.convert(copy.deepcopy(ref), level=level)
     torch.manual_seed(3)
     ops.reset_seed_stream()
-    g_ref = _grads(ref, x)
+    g_ref = forward_backward(ref, x)[1]
     torch.manual_seed(3)
     ops.reset_seed_stream()
-    g = _grads(model, x)
+    g = forward_backward(model, x)[1]
     for a, b in zip(g_ref, g, strict=True):
         if base == "L0":
             assert torch.equal(a, b)

@@ -80,6 +80,8 @@ from .compressors import (
 from .config import config
 from .engine import CONV, NORM, records
 
+__all__ = ["AdaptiveBits", "ScoredPerSampleQuantize"]
+
 _DEFAULT_WINDOW = 4
 _PLANNED_BY = "adaptive bits of"  # engine record: the layer whose plan packs the tensor
 

@@ -7,6 +7,8 @@ import warnings
 
 import torch
 
+__all__ = ["enable_expandable_segments"]
+
 _SETTING = "expandable_segments:True"
 
 

@@ -11,6 +11,8 @@ import contextlib
 import sys
 from collections.abc import Iterator, Sequence
 
+__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "build_parser", "main"]
+
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -44,7 +46,8 @@ def _register_native(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (2: usage error, 130: interrupted)."""
+    """Run the command line; returns the exit code (2: usage error, 130: interrupted, 1: the
+    `cli` extra is not installed)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
@@ -59,12 +62,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             validate(args)
         except (ValueError, RouteUnavailable) as err:
             getattr(args, "_parser", parser).error(str(err))  # exits 2
-    if getattr(args, "json", None) or getattr(args, "png", None):
-        from .bench.report import check_outputs
+    from .bench.report import MissingExtra, check_outputs
 
+    if getattr(args, "json", None) or getattr(args, "png", None):
         try:  # before the run: a bad path must not cost the results
             check_outputs(args)
-        except ValueError as err:
+        except (ValueError, MissingExtra) as err:
             getattr(args, "_parser", parser).error(str(err))  # exits 2
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:
@@ -72,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with _torch_threads(threads):
         try:
             return int(func(args) or 0)
+        except MissingExtra as err:
+            print(f"actcore: {err}", file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED

@@ -18,6 +18,19 @@ import torch
 
 from . import ops
 
+__all__ = [
+    "IDENTITY",
+    "Compressor",
+    "Derived",
+    "PerSampleQuantize",
+    "PrefetchQueue",
+    "Quantize",
+    "Swap",
+    "Tensors",
+    "ZeroValue",
+    "sample_range_weights",
+]
+
 Tensors = tuple[torch.Tensor, ...]
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+__all__ = ["LEVELS", "Config", "LevelSpec", "config", "level_spec", "set_optimization_level"]
+
 _SAME = -1  # a per-kind bits field that follows another one (see LevelSpec)
 
 

@@ -25,6 +25,7 @@ from .fewbit.convert import (
 )
 from .layers.modules import Q_LAYERS, QLayer, unsupported_reason
 from .layers.recompute import RecomputedModule, recomputed_class
+from .pass_stats import record_stats
 from .policies import POLICY_OPTIONS, Policy, check_iteration, make_policy
 from .rng import attach_stream
 from .scope import attach_scope, detach_scope
@@ -39,6 +40,7 @@ __all__ = [
     "convert",
     "default_fewbit_bits",
     "is_excluded",
+    "q_layer_converter",
 ]
 
 log = logging.getLogger("actcore")
@@ -379,8 +381,6 @@ class _Recorded(Compressor):
         return self.inner.lossy
 
     def pack(self, x: Any) -> tuple[Any, Any]:
-        from .hooks import record_stats
-
         tensors, meta = self.inner.pack(x)
         stats = self.scheme.stats
         if stats is not None:

@@ -19,6 +19,38 @@ import torch
 from .compressors import IDENTITY, Compressor, Derived, Quantize, Swap, Tensors, ZeroValue
 from .config import LevelSpec, config, level_spec
 
+__all__ = [
+    "ACTIVATION",
+    "CONV",
+    "EXPANSION",
+    "NARROW_BITS",
+    "NORM",
+    "NORMALIZED",
+    "OTHER",
+    "ROW_NORM",
+    "Part",
+    "choose",
+    "derive",
+    "derive_from",
+    "derive_output",
+    "in_checkpoint",
+    "is_stashed",
+    "layer_spec",
+    "mask_of",
+    "needs_saving",
+    "note_kept",
+    "note_mask",
+    "note_output",
+    "observe",
+    "packing_of",
+    "records",
+    "remember_packing",
+    "role_bits",
+    "source_part",
+    "stash",
+    "unstash",
+]
+
 CONV = "conv"  # inputs of conv / linear layers
 NORM = "norm"  # inputs of normalization layers
 ROW_NORM = "row_norm"  # inputs of layer / group / RMS norms, F.normalize's unit vectors

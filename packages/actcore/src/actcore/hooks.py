@@ -44,7 +44,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,6 +53,8 @@ from torch import Tensor, nn
 from . import engine, memory, ops, rng
 from .compressors import Compressor, Quantize, Swap, ZeroValue
 from .op_mode import DataMarks, OpMode, created_by_attention
+from .pass_stats import PassStats, record_stats
+from .policies import as_policy
 
 __all__ = [
     "FLOATS",
@@ -206,43 +208,6 @@ def _is_param_like(t: Tensor, param_ptrs: set[int]) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Statistics for policies
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PassStats:
-    """What one forward under estimation recorded, per key (first save of each storage)."""
-
-    bits: dict[str, int] = field(default_factory=dict)
-    numel: dict[str, int] = field(default_factory=dict)
-    # sum over groups of n_g * range_g^2 / 6: quantization variance at b bits is R/(2^b-1)^2
-    spread: dict[str, Tensor] = field(default_factory=dict)
-
-    def spreads(self) -> dict[str, float]:
-        """``spread`` as floats (one device sync for all)."""
-        if not self.spread:
-            return {}
-        keys = list(self.spread)
-        values = torch.stack([self.spread[k].float().cpu() for k in keys]).tolist()
-        return dict(zip(keys, values, strict=True))
-
-
-def record_stats(
-    stats: PassStats, key: str, bits: int, numel: int, tensors: Any, group_size: int
-) -> None:
-    """Record ``key``'s quantization spread from a :class:`Quantize` pack's tensors
-    ``(payload, lo, step)`` (first record of a key wins; other packs are ignored)."""
-    step = tensors[2] if len(tensors) == 3 else None
-    if step is None or key in stats.bits:
-        return
-    levels = float(2**bits - 1)
-    stats.bits[key] = bits
-    stats.numel[key] = numel
-    stats.spread[key] = step.float().square().sum() * (group_size * levels**2 / 6.0)
-
-
-# --------------------------------------------------------------------------------------------
 # The engine
 # --------------------------------------------------------------------------------------------
 
@@ -273,8 +238,6 @@ class SavedTensorCompressor:
         router: Any = None,
         module_keys: bool = True,
     ) -> None:
-        from .policies import as_policy
-
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel must be an int >= 0, got {min_numel!r}")
         ops.api.check_group_size(group_size)

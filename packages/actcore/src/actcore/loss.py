@@ -33,9 +33,11 @@ from .compressors import IDENTITY, Quantize
 
 __all__ = [
     "LOGIT_BITS",
+    "ROW_FUNCS",
     "CrossEntropyFunction",
     "linear_source",
     "mark_loss_head",
+    "note_cast",
     "note_linear_output",
     "note_rows",
 ]

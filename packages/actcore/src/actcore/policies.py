@@ -38,18 +38,21 @@ import torch
 from torch import nn
 
 from .ops.api import check_bits
+from .pass_stats import PassStats
 
 log = logging.getLogger("actcore")
 
 __all__ = [
     "ACGC",
     "HOOK_LEVELS",
+    "POLICY_OPTIONS",
     "AdaptivePolicy",
     "AutoPrecision",
     "FixedBits",
     "HookLevel",
     "Policy",
     "as_policy",
+    "check_iteration",
     "hook_level",
     "make_policy",
 ]
@@ -264,8 +267,6 @@ class AdaptivePolicy(Policy):
         salt = 2 * self.estimates + 1
 
         def run(seeds: _Seeds) -> tuple[torch.Tensor, Any]:
-            from .hooks import PassStats
-
             for p in params:
                 p.grad = None
             engine.seeds, engine.stats = seeds, PassStats()

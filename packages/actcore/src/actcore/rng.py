@@ -24,7 +24,15 @@ import torch
 
 from .ops.noise import MASK32, SEED_LIMIT, mix32
 
-__all__ = ["SeedStream", "active", "current", "using"]
+__all__ = [
+    "SeedStream",
+    "active",
+    "attach_stream",
+    "check_stream_seed",
+    "current",
+    "release",
+    "using",
+]
 
 _LOCAL = threading.local()  # .stack: the streams entered on this thread, innermost last
 

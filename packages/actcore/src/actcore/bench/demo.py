@@ -18,6 +18,8 @@ from . import accuracy, memory, report
 from .models import check_model, torchvision_models
 from .routes import FP, check_levels
 
+__all__ = ["DEFAULT_MODEL", "FALLBACK_MODEL", "add_arguments", "configs", "main", "summary"]
+
 DEFAULT_MODEL = "resnet50"
 FALLBACK_MODEL = "tiny-cnn"  # when torchvision is missing
 

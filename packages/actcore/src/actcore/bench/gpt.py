@@ -17,6 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+__all__ = [
+    "ARCHS",
+    "Block",
+    "CharGPT",
+    "GPTConfig",
+    "GeluMLP",
+    "SelfAttention",
+    "SwiGLU",
+    "apply_rotary",
+    "rotary_tables",
+]
+
 ARCHS = ("gpt", "llama")
 
 

@@ -22,6 +22,8 @@ from . import report
 from .maxbatch import EXIT_NO_GPU, on_cuda_or_explain
 from .memory import _positive, _split
 
+__all__ = ["COLUMNS", "DTYPES", "KernelConfig", "main", "register", "run", "time_cuda"]
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

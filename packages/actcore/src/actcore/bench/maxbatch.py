@@ -22,6 +22,19 @@ from .memory import AMP_DTYPES, _positive, _split, resolve_device
 from .models import build_model, check_model, default_image_size, logits
 from .routes import FP, applied, check_levels
 
+__all__ = [
+    "COLUMNS",
+    "EXIT_NO_GPU",
+    "MaxBatchConfig",
+    "fits",
+    "main",
+    "no_gpu_message",
+    "on_cuda_or_explain",
+    "register",
+    "run",
+    "search",
+]
+
 EXIT_NO_GPU = 2
 
 

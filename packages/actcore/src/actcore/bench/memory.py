@@ -24,6 +24,19 @@ from . import report
 from .models import build_model, default_image_size, logits
 from .routes import FP, applied
 
+__all__ = [
+    "AMP_DTYPES",
+    "MemoryConfig",
+    "columns",
+    "main",
+    "measure_level",
+    "register",
+    "resolve_device",
+    "run",
+    "show",
+    "title",
+]
+
 AMP_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

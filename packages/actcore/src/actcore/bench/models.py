@@ -14,6 +14,20 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+__all__ = [
+    "BUILTINS",
+    "Built",
+    "BuiltinModel",
+    "build_model",
+    "check_model",
+    "default_image_size",
+    "digits_cnn",
+    "logits",
+    "mnist1d_cnn",
+    "model_names",
+    "torchvision_models",
+]
+
 
 @dataclass(frozen=True)
 class BuiltinModel:

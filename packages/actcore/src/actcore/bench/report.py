@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as _dt
+import importlib
 import json
 import math
 import os
@@ -21,9 +22,35 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
+
+__all__ = [
+    "CLI_EXTRA",
+    "EXIT_INTERRUPTED",
+    "OUTPUT_OPTIONS",
+    "Column",
+    "MissingExtra",
+    "atomic_path",
+    "check_output_path",
+    "check_outputs",
+    "command_line",
+    "config_from_args",
+    "console",
+    "cpu_model",
+    "fmt_bytes",
+    "fmt_float",
+    "machine_info",
+    "markdown",
+    "optional_import",
+    "progress",
+    "result",
+    "run_guarded",
+    "table",
+    "write_json",
+]
 
 EXIT_INTERRUPTED = 130
 _Config = TypeVar("_Config")
@@ -160,11 +187,39 @@ OUTPUT_OPTIONS = (("json", "--json"), ("png", "--png"))
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Check every output path option of a parsed command line (``--json``, ``--png``)."""
+    """Check every output path option of a parsed command line (``--json``, ``--png``), and
+    that matplotlib is there for ``--png`` (else :class:`MissingExtra`)."""
     for attr, option in OUTPUT_OPTIONS:
         value = getattr(args, attr, None)
         if value:
             check_output_path(value, option)
+    if getattr(args, "png", None):
+        optional_import("matplotlib.figure")
+
+
+# --------------------------------------------------------------------------------------------
+# Optional dependencies (the ``cli`` extra)
+# --------------------------------------------------------------------------------------------
+
+CLI_EXTRA = "actcore[cli]"
+"""The extra that installs what the command line and the benchmarks use (rich, matplotlib)."""
+
+
+class MissingExtra(ImportError):
+    """A module of the ``cli`` extra is not installed."""
+
+
+def optional_import(module: str) -> ModuleType:
+    """``module`` imported, else :class:`MissingExtra` naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        top = module.partition(".")[0]
+        raise MissingExtra(
+            f"{top} is not installed; the actcore command line and benchmarks need it: "
+            f"pip install '{CLI_EXTRA}'",
+            name=top,
+        ) from err
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,7 +229,7 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 def console(stderr: bool = False) -> Any:
     """A rich console on stdout (or stderr), created now so redirections are honoured."""
-    from rich.console import Console
+    Console = optional_import("rich.console").Console
 
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else 120
@@ -206,7 +261,7 @@ def fmt_float(digits: int, suffix: str = "") -> Callable[[Any], str]:
 
 def table(title: str, columns: Sequence[Column], rows: Sequence[dict[str, Any]]) -> Any:
     """A rich ``Table`` of ``rows`` (missing keys shown as '-')."""
-    from rich.table import Table
+    Table = optional_import("rich.table").Table
 
     t = Table(title=title, title_justify="left")
     for col in columns:
@@ -236,13 +291,13 @@ def progress(total: int, description: str, enabled: bool = True) -> Iterator[Cal
     if not enabled:
         yield lambda n=1, description=None: None
         return
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    rp = optional_import("rich.progress")
 
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
+    bar = rp.Progress(
+        rp.TextColumn("{task.description}"),
+        rp.BarColumn(),
+        rp.TextColumn("{task.completed}/{task.total}"),
+        rp.TimeElapsedColumn(),
         console=console(stderr=True),
         transient=True,
     )

@@ -13,6 +13,16 @@ from torch import nn
 
 from ..config import LEVELS
 
+__all__ = [
+    "FP",
+    "HOOKS_UNAVAILABLE",
+    "ROUTES",
+    "RouteUnavailable",
+    "applied",
+    "check_levels",
+    "hooks_available",
+]
+
 FP = "fp"
 ROUTES = ("layers", "hooks")
 HOOKS_UNAVAILABLE = "hooks route not available in this version (actcore.Controller is missing)"

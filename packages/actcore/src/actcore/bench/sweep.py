@@ -22,6 +22,8 @@ from .memory import MemoryConfig, _positive, _split, measure_level, resolve_devi
 from .models import check_model, default_image_size
 from .routes import check_levels
 
+__all__ = ["COLUMNS", "SweepConfig", "figure", "main", "plot", "register", "run"]
+
 
 @dataclass
 class SweepConfig:
@@ -77,7 +79,7 @@ def run(
 
 def figure(cfg: SweepConfig, rows: list[dict[str, Any]]) -> Any:
     """A matplotlib Figure: throughput against batch per level, red crosses at out of memory."""
-    from matplotlib.figure import Figure
+    Figure = report.optional_import("matplotlib.figure").Figure
 
     fig = Figure(figsize=(6.4, 4.2), dpi=120)
     ax = fig.subplots()

@@ -23,6 +23,19 @@ from .data import CharCorpus, Mnist1D, load_mnist1d, load_shakespeare
 from .gpt import CharGPT, GPTConfig
 from .models import mnist1d_cnn
 
+__all__ = [
+    "EVAL_BATCH_SEQUENCES",
+    "EVAL_SEED",
+    "SPECS",
+    "TASKS",
+    "Mnist1DTask",
+    "ShakespeareChar",
+    "Task",
+    "TaskSpec",
+    "lr_lambda",
+    "make_task",
+]
+
 EVAL_SEED = 1234  # the held-out batches: the same for every level, seed and run
 
 

@@ -41,6 +41,30 @@ from . import report
 from .routes import FP, applied, check_levels
 from .tasks import SPECS, TASKS, Task, lr_lambda, make_task
 
+__all__ = [
+    "DEFAULT",
+    "DEFAULT_LEVELS",
+    "GRAD_CLIP",
+    "TrainConfig",
+    "Variant",
+    "add_deltas",
+    "applied_variant",
+    "columns",
+    "figure",
+    "main",
+    "make_row",
+    "measure_memory",
+    "parse_levels",
+    "plot",
+    "register",
+    "resolve_device",
+    "run",
+    "show",
+    "title",
+    "train_run",
+    "valid_items",
+]
+
 DEFAULT = "default"
 DEFAULT_LEVELS = "fp,L2,L3,hooks:L1.2,hooks:L2,default"
 GRAD_CLIP = 1.0
@@ -484,7 +508,7 @@ def _zoom(ax: Any, ends: list[list[float]], lower: float, margin: float) -> None
 
 def figure(cfg: TrainConfig, rows: list[dict[str, Any]]) -> Any:
     """Training loss (left) and validation loss or test accuracy (right) against step."""
-    from matplotlib.figure import Figure
+    Figure = report.optional_import("matplotlib.figure").Figure
 
     cfg = cfg.resolved()
     fig = Figure(figsize=(11, 4.2), dpi=120)

@@ -31,6 +31,22 @@ from .. import memory as act_memory
 from . import report
 from .models import build_model, check_model, default_image_size, logits
 
+__all__ = [
+    "CHECKPOINT",
+    "DEFAULT_MODELS",
+    "FP",
+    "LAYERS_SUFFIX",
+    "Checkpointed",
+    "ZooConfig",
+    "apply_variant",
+    "check_variant",
+    "checkpoint_blocks",
+    "columns",
+    "main",
+    "measure_model",
+    "register",
+]
+
 FP = "fp"
 LAYERS_SUFFIX = "-layers"
 CHECKPOINT = "ckpt"

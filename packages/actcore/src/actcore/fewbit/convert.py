@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 __all__ = [
+    "SMOOTH_LEFT",
     "convert_linear",
     "fewbit_target",
     "fewbit_target_of",

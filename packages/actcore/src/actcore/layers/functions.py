@@ -30,6 +30,31 @@ from ..engine import (
     unstash,
 )
 
+__all__ = [
+    "AvgPoolFunction",
+    "BatchNormFunction",
+    "ConvFunction",
+    "DropoutFunction",
+    "GroupNormFunction",
+    "LayerNormFunction",
+    "LinearFunction",
+    "MaskedActivationFunction",
+    "MaxPoolFunction",
+    "NormalizeFunction",
+    "RMSNormFunction",
+    "SyncBatchNormFunction",
+    "dropout_backward",
+    "dropout_with_mask",
+    "guard_input",
+    "layer_name",
+    "link",
+    "no_second_derivative",
+    "note_dropout_output",
+    "note_output_mask",
+    "own_output",
+    "refuse_double_backward",
+]
+
 aten = torch.ops.aten
 
 # --- double backward ---------------------------------------------------------------------

@@ -35,6 +35,42 @@ from .functions import (
     note_output_mask,
 )
 
+# the Q-layers' API, re-exported by actcore.layers and actcore; LOWER_PRECISION and
+# autocast_inputs serve actcore.routing
+__all__ = [
+    "Q_LAYERS",
+    "QAvgPool1d",
+    "QAvgPool2d",
+    "QAvgPool3d",
+    "QBatchNorm1d",
+    "QBatchNorm2d",
+    "QBatchNorm3d",
+    "QBatchNormBase",
+    "QConv1d",
+    "QConv2d",
+    "QConv3d",
+    "QConvTranspose1d",
+    "QConvTranspose2d",
+    "QConvTranspose3d",
+    "QDropout",
+    "QGroupNorm",
+    "QHardtanh",
+    "QLayer",
+    "QLayerNorm",
+    "QLeakyReLU",
+    "QLinear",
+    "QMaxPool1d",
+    "QMaxPool2d",
+    "QMaxPool3d",
+    "QRMSNorm",
+    "QReLU",
+    "QReLU6",
+    "QSyncBatchNorm",
+    "group_norm",
+    "register_q_layer",
+    "unsupported_reason",
+]
+
 
 class QLayer:
     """Mixin of every Q-layer: its level and per-layer compression state."""

@@ -42,6 +42,7 @@ from ..engine import (
 from ..forward_state import forward_state, plain_saves, replayed
 
 __all__ = [
+    "RecomputeFunction",
     "RecomputedModule",
     "recompute",
     "recomputed_class",

@@ -43,6 +43,42 @@ from pathlib import Path
 
 import torch
 
+__all__ = [
+    "ABI_VERSION",
+    "CPU_ABI_VERSION",
+    "CPU_CXX_FLAGS",
+    "CPU_EXTENSION_NAME",
+    "CPU_HEADERS",
+    "CPU_MSVC_FLAGS",
+    "CPU_SOURCES",
+    "CUDA_FLAGS",
+    "CXX_FLAGS",
+    "DEFAULT_ARCH",
+    "EXTENSION_NAME",
+    "HEADERS",
+    "SOURCES",
+    "BuildPlan",
+    "CpuBuildPlan",
+    "CudaToolkit",
+    "NativeBuildError",
+    "arch_label",
+    "build",
+    "build_cpu",
+    "cache_root",
+    "check_torch_cuda",
+    "cpu_cxx_flags",
+    "cpu_source_dir",
+    "default_arches",
+    "find_cuda_toolkit",
+    "gencode_flags",
+    "parse_arches",
+    "plan_build",
+    "plan_cpu_build",
+    "source_dir",
+    "timed_build",
+    "wheel_include_dirs",
+]
+
 EXTENSION_NAME = "actcore_native"
 SOURCES = ("kernels.cu", "ops.cpp")
 HEADERS = ("actcore_native.h", "op_args.h", "op_checks.h", "op_registration.h")

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+__all__ = ["add_arguments", "main", "register", "run_build", "run_status"]
+
 
 def register(subparsers: Any) -> None:
     """Add the ``native`` command (``build``, ``status``) to an argparse subparsers object."""

@@ -30,6 +30,26 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "CPU_DEFAULT_ON",
+    "OPS",
+    "NativeUnavailableWarning",
+    "call",
+    "cpu_active",
+    "cpu_disabled",
+    "cpu_kernels",
+    "cpu_ready",
+    "cpu_status",
+    "disabled",
+    "load",
+    "load_cpu",
+    "loaded",
+    "ready",
+    "register",
+    "set_cpu_kernels",
+    "status",
+]
+
 OPS = (
     "quantize",
     "dequantize",
@@ -102,9 +122,12 @@ def cpu_disabled() -> bool:
 
 def _open(library: str | os.PathLike, prefix: str, abi_version: int) -> ctypes.CDLL:
     """``library`` loaded, its ``<prefix>_abi_version()`` checked, its register entry typed."""
-    from ..ops import library as _ops  # noqa: F401 - defines the actcore::* schemas
     from .build import NativeBuildError
 
+    # the schemas come from actcore.ops.library, which the actcore package imports first
+    undefined = [op for op in OPS if not hasattr(torch.ops.actcore, op)]
+    if undefined:
+        raise NativeBuildError(f"the actcore::* ops {undefined} are not defined (import actcore)")
     lib = ctypes.CDLL(str(library))
     abi = getattr(lib, f"{prefix}_abi_version")()
     if abi != abi_version:

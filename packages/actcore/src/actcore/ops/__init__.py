@@ -6,36 +6,8 @@ a pure-PyTorch reference implementation that runs on any device.
 
 from __future__ import annotations
 
-from .api import (
-    FLOAT_DTYPES,
-    apply_mask,
-    dequantize,
-    hash_uniform,
-    masked_dequantize,
-    masked_quantize,
-    new_seed,
-    pack_bits,
-    pack_mask,
-    quantize,
-    reset_seed_stream,
-    unpack_bits,
-    unpack_mask,
-)
+from . import api
+from .api import *  # noqa: F403 - the checked ops are this package's API
 from .packed import Packed
 
-__all__ = [
-    "FLOAT_DTYPES",
-    "Packed",
-    "apply_mask",
-    "dequantize",
-    "hash_uniform",
-    "masked_dequantize",
-    "masked_quantize",
-    "new_seed",
-    "pack_bits",
-    "pack_mask",
-    "quantize",
-    "reset_seed_stream",
-    "unpack_bits",
-    "unpack_mask",
-]
+__all__ = [*api.__all__, "Packed"]

@@ -10,6 +10,23 @@ from . import library
 from .noise import MASK32, SEED_LIMIT, mix32
 from .packed import Packed
 
+# the ops' checked API, re-exported by actcore.ops; the check_* validators serve the engines
+__all__ = [
+    "FLOAT_DTYPES",
+    "apply_mask",
+    "dequantize",
+    "hash_uniform",
+    "masked_dequantize",
+    "masked_quantize",
+    "new_seed",
+    "pack_bits",
+    "pack_mask",
+    "quantize",
+    "reset_seed_stream",
+    "unpack_bits",
+    "unpack_mask",
+]
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _FLOAT_NAMES = ", ".join(str(d) for d in FLOAT_DTYPES)
 

@@ -16,6 +16,8 @@ import sys
 
 import torch
 
+__all__ = ["pack_bits_reference", "packed_nbytes", "unpack_bits_reference"]
+
 _LOW_BITS = 0x0101010101010101  # bit 0 of every byte
 # (shift, mask) steps gathering bit 0 of 8 bytes into the low byte; unpacking runs them back.
 _GATHER = ((7, 0x0303030303030303), (14, 0x0000000F0000000F), (28, 0xFF))

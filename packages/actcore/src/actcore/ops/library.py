@@ -30,6 +30,17 @@ from .quantization import (
     rows_and_cols,
 )
 
+__all__ = [
+    "apply_mask",
+    "dequantize",
+    "hash_uniform",
+    "masked_dequantize",
+    "masked_quantize",
+    "pack_bits",
+    "quantize",
+    "unpack_bits",
+]
+
 _Tensors3 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 

@@ -26,6 +26,8 @@ import torch
 from .bitpack import unpack_bits_reference
 from .quantization import dequantize_reference, quantize_reference
 
+__all__ = ["apply_mask_reference", "masked_dequantize_reference", "masked_quantize_reference"]
+
 
 def _keep(mask: torch.Tensor, numel: int) -> torch.Tensor:
     """The first ``numel`` bits of a packed mask as a flat bool tensor."""

@@ -21,6 +21,18 @@ from __future__ import annotations
 
 import torch
 
+__all__ = [
+    "MASK32",
+    "MULT_A",
+    "MULT_B",
+    "SEED_LIMIT",
+    "block_key",
+    "hash_index",
+    "mix32",
+    "uniform_from_hash",
+    "uniform_noise",
+]
+
 MASK32 = 0xFFFFFFFF
 MULT_A = 0x21F0AAAD
 MULT_B = 0x735A2D97

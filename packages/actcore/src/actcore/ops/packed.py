@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+__all__ = ["Packed"]
+
 
 @dataclass(frozen=True, eq=False)
 class Packed:

@@ -44,6 +44,17 @@ import torch
 from .bitpack import pack_bits_reference, packed_nbytes, unpack_bits_reference
 from .noise import hash_index, uniform_from_hash
 
+__all__ = [
+    "BF16_MAX",
+    "BLOCK_ELEMENTS",
+    "META_DTYPE",
+    "compute_dtype",
+    "dequantize_reference",
+    "quantize_reference",
+    "round_to_bf16",
+    "rows_and_cols",
+]
+
 META_DTYPE = torch.bfloat16
 BF16_MAX = torch.finfo(torch.bfloat16).max  # 0x7F7F: the largest finite bfloat16
 BLOCK_ELEMENTS = 1 << 16  # small enough for temporaries to stay in cache

@@ -1,0 +1,154 @@
+"""The modules of actcore import one another without cycles.
+
+Every written import counts, at module level or inside a function: ``import a.b``,
+``from .x import y`` (an edge to ``x``), ``from pkg import name`` where ``name`` is a
+submodule (an edge to that submodule). Importing a package is an edge to its
+``__init__``. The parent package that Python runs before a submodule is not counted, so
+``from . import x`` in a submodule is an edge to ``x`` alone, while ``from .. import Name``
+for a name defined in a package's ``__init__`` is an edge to that ``__init__``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "actcore"
+
+
+def _module_name(path: Path) -> str:
+    """Dotted name of the module in ``path`` (a package's ``__init__`` is the package)."""
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    """Every actcore module by dotted name."""
+    return {_module_name(p): p for p in sorted((SRC / PACKAGE).rglob("*.py"))}
+
+
+def _resolve(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
+    """Absolute name of the module a ``from ... import`` reads from."""
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".")
+    if not is_package:
+        base.pop()
+    if node.level > 1:
+        base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _edges(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The actcore modules that ``name``'s written imports name."""
+    is_package = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(node, name, is_package)
+            if source not in modules:
+                continue
+            submodules = {f"{source}.{a.name}" for a in node.names} & modules.keys()
+            out |= submodules
+            ancestor = name.startswith(source + ".")
+            if not ancestor or len(submodules) < len(node.names):
+                out.add(source)
+    out.discard(name)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the actcore modules it imports."""
+    modules = _modules()
+    return {name: _edges(name, path, modules) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly-connected components with more than one module (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def _describe(component: list[str], graph: dict[str, set[str]]) -> str:
+    members = set(component)
+    lines = [f"  {m} -> {', '.join(sorted(graph[m] & members))}" for m in component]
+    return f"cycle of {len(component)} modules:\n" + "\n".join(lines)
+
+
+def test_graph_sees_known_edges() -> None:
+    """The walker resolves relative, function-level and submodule imports."""
+    graph = import_graph()
+    assert {"actcore.config", "actcore.layers", "actcore.ops"} <= graph["actcore"]
+    assert len(graph) > 50
+
+
+@pytest.mark.parametrize(
+    ("source", "importer", "is_package", "expected"),
+    [
+        ("from . import x", "actcore.a", False, "actcore"),
+        ("from .x import y", "actcore.a", False, "actcore.x"),
+        ("from .. import y", "actcore.ops.a", False, "actcore"),
+        ("from ..x import y", "actcore.ops.a", False, "actcore.x"),
+        ("from . import x", "actcore.ops", True, "actcore.ops"),
+        ("from .x import y", "actcore.ops", True, "actcore.ops.x"),
+        ("from actcore.x import y", "actcore.ops.a", False, "actcore.x"),
+    ],
+)
+def test_relative_imports_resolve(source: str, importer: str, is_package: bool, expected: str):
+    node = ast.parse(source).body[0]
+    assert isinstance(node, ast.ImportFrom)
+    assert _resolve(node, importer, is_package) == expected
+
+
+def test_only_the_front_ends_import_the_package() -> None:
+    """The core's modules import the modules that define what they use, never ``actcore``
+    itself (its ``__init__`` only re-exports); the CLI and the benchmarks use the public API."""
+    front_ends = ("actcore.cli", "actcore.bench")
+    importers = sorted(
+        name
+        for name, targets in import_graph().items()
+        if PACKAGE in targets and not name.startswith(front_ends)
+    )
+    assert not importers
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    found = cycles(graph)
+    assert not found, "actcore has import cycles:\n" + "\n".join(_describe(c, graph) for c in found)
