@@ -139,7 +139,8 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], str]] = {
         "image",
     ),
     # beyond the list: built from the same parts (GQA, sliding windows, soft-capping, q/k
-    # norms, gelu-tanh MLPs, parallel blocks)
+    # norms, gelu-tanh MLPs, parallel blocks, norms after the sublayers)
+    "olmo2": (_decoder(tf.Olmo2ForCausalLM, tf.Olmo2Config, **GQA), "lm"),
     "gemma2": (_decoder(tf.Gemma2ForCausalLM, tf.Gemma2Config, **GQA, head_dim=32), "lm"),
     "phi3": (_decoder(tf.Phi3ForCausalLM, tf.Phi3Config, **GQA, pad_token_id=0), "lm"),
     "qwen3": (_decoder(tf.Qwen3ForCausalLM, tf.Qwen3Config, **GQA, head_dim=32), "lm"),

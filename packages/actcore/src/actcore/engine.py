@@ -196,18 +196,24 @@ def choose(layer: Any, role: str, x: torch.Tensor) -> Compressor:
 
 
 def observe(
-    ctx: Any, grad: torch.Tensor, kernel: int = 1, channel_dim: int = 1, norm: bool = False
+    ctx: Any,
+    grad: torch.Tensor,
+    kernel: int = 1,
+    channel_dim: int = 1,
+    norm: bool = False,
+    restored: torch.Tensor | None = None,
 ) -> None:
     """Hand a layer's output gradient to its ``act_scheme`` (for gradient statistics).
 
     ``kernel``: weights each input element meets per output position (a convolution's
     kernel size, else 1); ``channel_dim``: the output channel dim (-1 for linear layers);
-    ``norm``: a normalization layer (its weight gradient is ``sum(grad * x_hat)``).
+    ``norm``: a normalization layer (its weight gradient is ``sum(grad * x_hat)``);
+    ``restored``: a linear layer's input as restored for backward.
     """
     layer = getattr(ctx, "act_layer", None)
     scheme = getattr(layer, "act_scheme", None)
     if scheme is not None and hasattr(scheme, "observe"):
-        scheme.observe(layer, grad, kernel, channel_dim, norm)
+        scheme.observe(layer, grad, kernel, channel_dim, norm, restored)
 
 
 def stash(

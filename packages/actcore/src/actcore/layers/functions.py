@@ -275,7 +275,7 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = unstash(ctx)
-        observe(ctx, grad, channel_dim=-1)
+        observe(ctx, grad, channel_dim=-1, restored=x)
         x = guard_input(ctx, x, weight, grad)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g2 = grad.reshape(-1, grad.shape[-1])
