@@ -38,32 +38,15 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_build
 from .arches import DEFAULT_ARCH, arch_label, default_arches, gencode_flags, parse_arches
 from .compiler import _compile, _find_sources, _safe, cache_root
-from .cpu_build import (
-    CPU_ABI_VERSION,
-    CPU_CXX_FLAGS,
-    CPU_EXTENSION_NAME,
-    CPU_HEADERS,
-    CPU_MSVC_FLAGS,
-    CPU_SOURCES,
-    CpuBuildPlan,
-    build_cpu,
-    cpu_cxx_flags,
-    cpu_source_dir,
-    plan_cpu_build,
-)
+from .cpu_build import *  # noqa: F403 - the CPU build's names stay importable from here
 from .errors import NativeBuildError
 from .toolkit import CudaToolkit, check_torch_cuda, find_cuda_toolkit, wheel_include_dirs
 
 __all__ = [
     "ABI_VERSION",
-    "CPU_ABI_VERSION",
-    "CPU_CXX_FLAGS",
-    "CPU_EXTENSION_NAME",
-    "CPU_HEADERS",
-    "CPU_MSVC_FLAGS",
-    "CPU_SOURCES",
     "CUDA_FLAGS",
     "CXX_FLAGS",
     "DEFAULT_ARCH",
@@ -71,25 +54,21 @@ __all__ = [
     "HEADERS",
     "SOURCES",
     "BuildPlan",
-    "CpuBuildPlan",
     "CudaToolkit",
     "NativeBuildError",
     "arch_label",
     "build",
-    "build_cpu",
     "cache_root",
     "check_torch_cuda",
-    "cpu_cxx_flags",
-    "cpu_source_dir",
     "default_arches",
     "find_cuda_toolkit",
     "gencode_flags",
     "parse_arches",
     "plan_build",
-    "plan_cpu_build",
     "source_dir",
     "timed_build",
     "wheel_include_dirs",
+    *cpu_build.__all__,
 ]
 
 EXTENSION_NAME = "actcore_native"
