@@ -27,7 +27,7 @@ from native_cases import (
 )
 
 from actcore import ops
-from actcore.native import build, cli, loader
+from actcore.native import build, cli, loader, toolkit
 from actcore.ops import bitpack, noise, quantization
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -130,7 +130,7 @@ def test_no_toolkit_anywhere_is_a_clear_error(monkeypatch, tmp_path):
     for var in ("CUDA_HOME", "CUDA_PATH"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(build, "_is_toolkit", lambda root: False)
+    monkeypatch.setattr(toolkit, "_is_toolkit", lambda root: False)
     with pytest.raises(build.NativeBuildError, match="no CUDA toolkit found"):
         build.find_cuda_toolkit()
 

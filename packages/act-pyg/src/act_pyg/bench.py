@@ -28,234 +28,59 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 import torch_geometric
-from torch import Tensor, nn
+from torch import nn
 from torch_geometric.data import Data
-from torch_geometric.nn import MLP, GATConv, GCNConv, GINConv, SAGEConv
 
 from actcore import memory
 from actcore.bench import report
 from actcore.config import LEVELS, level_spec
 
+from .bench_data import PLANTED, SMALL_GRAPH, load_data, planted_partition, random_graph
+from .bench_models import (
+    EXAMPLE_ACT,
+    EXAMPLES,
+    GNN,
+    MODELS,
+    STYLES,
+    ExampleGAT,
+    ExampleGCN,
+    ExampleGIN,
+    ExampleSAGE,
+    build_model,
+    make_model,
+)
 from .convert import convert
 
-MODELS = ("gcn", "sage", "gat", "gin")
-STYLES = ("module", "example")
-"""``module``: activations and dropout as modules (:class:`GNN`); ``example``: written as
-PyG's examples write them, with ``F.relu`` / ``F.elu`` / ``F.dropout`` in ``forward``
-(:data:`EXAMPLES`)."""
+__all__ = [
+    "EXAMPLES",
+    "EXAMPLE_ACT",
+    "GNN",
+    "MODELS",
+    "PLANTED",
+    "SMALL_GRAPH",
+    "SMALL_RUN",
+    "STYLES",
+    "BenchResult",
+    "ExampleGAT",
+    "ExampleGCN",
+    "ExampleGIN",
+    "ExampleSAGE",
+    "RunResult",
+    "build_model",
+    "format_result",
+    "held_bytes",
+    "load_data",
+    "main",
+    "make_model",
+    "planted_partition",
+    "random_graph",
+    "retained_bytes",
+    "run",
+]
+
 # A quick configuration (the accuracy test): about 10 s of CPU for all three models.
-SMALL_GRAPH = {"num_nodes": 800, "num_features": 32, "num_classes": 4}
 SMALL_RUN = {"epochs": 50, "hidden": 32, "dropout": 0.2}
-PLANTED = "planted-partition graph (stochastic block model, class-dependent Gaussian features)"
-
-
-def planted_partition(
-    num_nodes: int = 3000,
-    num_classes: int = 8,
-    num_features: int = 128,
-    avg_degree: float = 10.0,
-    homophily: float = 0.6,
-    signal: float = 0.4,
-    train_fraction: float = 0.3,
-    seed: int = 0,
-) -> Data:
-    """A planted-partition graph: ``homophily`` of each node's edges stay in its class.
-
-    Features are a class centroid (unit Gaussian) times ``signal`` plus unit noise, so a node
-    alone is hard to classify and neighbourhoods help. Edges are undirected (both
-    directions, no self loops, duplicates possible). Masks split train / test.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, num_classes, (num_nodes,), generator=gen)
-    centroids = torch.randn(num_classes, num_features, generator=gen)
-    x = signal * centroids[y] + torch.randn(num_nodes, num_features, generator=gen)
-    half = int(num_nodes * avg_degree / 2)
-    src = torch.randint(0, num_nodes, (half,), generator=gen)
-    same = torch.rand(half, generator=gen) < homophily
-    # a random node of the same class for homophilous edges, any node otherwise
-    order = torch.argsort(y)
-    counts = torch.bincount(y, minlength=num_classes)
-    starts = torch.cumsum(counts, 0) - counts
-    pick = (torch.rand(half, generator=gen) * counts[y[src]]).long()
-    dst_same = order[starts[y[src]] + pick]
-    dst_any = torch.randint(0, num_nodes, (half,), generator=gen)
-    dst = torch.where(same, dst_same, dst_any)
-    keep = src != dst
-    src, dst = src[keep], dst[keep]
-    edge_index = torch.stack([torch.cat([src, dst]), torch.cat([dst, src])])
-    perm = torch.randperm(num_nodes, generator=gen)
-    train_mask = torch.zeros(num_nodes, dtype=torch.bool)
-    train_mask[perm[: int(train_fraction * num_nodes)]] = True
-    data = Data(x=x, y=y, edge_index=edge_index, train_mask=train_mask, test_mask=~train_mask)
-    data.source = PLANTED
-    return data
-
-
-def random_graph(num_nodes: int, num_edges: int, num_features: int, seed: int = 0) -> Data:
-    """A uniform random directed graph (for memory measurements): ``x``, ``edge_index``."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_nodes, num_features, generator=gen)
-    edge_index = torch.randint(0, num_nodes, (2, num_edges), generator=gen)
-    return Data(x=x, edge_index=edge_index)
-
-
-def _gin_mlp(in_channels: int, hidden: int, out_channels: int) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Linear(in_channels, hidden),
-        nn.BatchNorm1d(hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, out_channels),
-    )
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in MODELS:
-        raise ValueError(f"unknown model {kind!r}; valid models: {', '.join(MODELS)}")
-
-
-class GNN(nn.Module):
-    """dropout -> conv -> activation -> dropout -> conv, as modules (all of it converted).
-
-    ``act``: ``"relu"`` or ``"elu"`` (as an ``nn`` module). GIN's convs hold a
-    Linear-BatchNorm-ReLU-Linear MLP.
-    """
-
-    def __init__(
-        self,
-        kind: str,
-        in_channels: int,
-        hidden: int,
-        out_channels: int,
-        heads: int = 4,
-        dropout: float = 0.5,
-        act: str = "relu",
-    ) -> None:
-        super().__init__()
-        _check_kind(kind)
-        self.kind = kind
-        if kind == "gcn":
-            self.conv1 = GCNConv(in_channels, hidden)
-            self.conv2 = GCNConv(hidden, out_channels)
-        elif kind == "sage":
-            self.conv1 = SAGEConv(in_channels, hidden)
-            self.conv2 = SAGEConv(hidden, out_channels)
-        elif kind == "gat":
-            self.conv1 = GATConv(in_channels, hidden // heads, heads=heads, dropout=dropout)
-            self.conv2 = GATConv(hidden, out_channels, heads=1, dropout=dropout)
-        else:
-            self.conv1 = GINConv(_gin_mlp(in_channels, hidden, hidden))
-            self.conv2 = GINConv(_gin_mlp(hidden, hidden, out_channels))
-        self.drop_in = nn.Dropout(dropout)
-        self.act = {"relu": nn.ReLU, "elu": nn.ELU}[act]()
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
-        x = self.drop_in(x)
-        x = self.drop(self.act(self.conv1(x, edge_index)))
-        return self.conv2(x, edge_index)
-
-
-# ---- the same models written the way PyG's examples write theirs ----------------------------
-
-
-class ExampleGCN(nn.Module):
-    """GCN with functional dropout and ``Tensor.relu`` between the convs."""
-
-    def __init__(self, in_channels: int, hidden: int, out_channels: int, dropout: float = 0.5):
-        super().__init__()
-        self.conv1 = GCNConv(in_channels, hidden)
-        self.conv2 = GCNConv(hidden, out_channels)
-        self.dropout = dropout
-
-    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
-        x = F.dropout(x, p=self.dropout, training=self.training)
-        x = self.conv1(x, edge_index).relu()
-        x = F.dropout(x, p=self.dropout, training=self.training)
-        return self.conv2(x, edge_index)
-
-
-class ExampleSAGE(nn.Module):
-    """GraphSAGE as a loop over a ``ModuleList``, ``F.relu`` and ``F.dropout`` inside it."""
-
-    def __init__(self, in_channels: int, hidden: int, out_channels: int, dropout: float = 0.5):
-        super().__init__()
-        self.convs = nn.ModuleList([SAGEConv(in_channels, hidden), SAGEConv(hidden, out_channels)])
-        self.dropout = dropout
-
-    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
-        x = F.dropout(x, p=self.dropout, training=self.training)
-        for i, conv in enumerate(self.convs):
-            x = conv(x, edge_index)
-            if i + 1 < len(self.convs):
-                x = F.relu(x)
-                x = F.dropout(x, p=self.dropout, training=self.training)
-        return x
-
-
-class ExampleGAT(nn.Module):
-    """GAT with ``F.elu`` and ``F.dropout`` (attention dropout inside the convs)."""
-
-    def __init__(
-        self, in_channels: int, hidden: int, out_channels: int, heads: int = 4, dropout=0.5
-    ):
-        super().__init__()
-        self.conv1 = GATConv(in_channels, hidden // heads, heads=heads, dropout=dropout)
-        self.conv2 = GATConv(hidden, out_channels, heads=1, dropout=dropout)
-        self.dropout = dropout
-
-    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
-        x = F.dropout(x, p=self.dropout, training=self.training)
-        x = F.elu(self.conv1(x, edge_index))
-        x = F.dropout(x, p=self.dropout, training=self.training)
-        return self.conv2(x, edge_index)
-
-
-class ExampleGIN(nn.Module):
-    """GIN whose convs hold PyG's ``MLP`` (Linear, batch norm, ReLU, Linear); ``F.relu``."""
-
-    def __init__(self, in_channels: int, hidden: int, out_channels: int, dropout: float = 0.5):
-        super().__init__()
-        self.conv1 = GINConv(MLP([in_channels, hidden, hidden]))
-        self.conv2 = GINConv(MLP([hidden, hidden, out_channels]))
-        self.dropout = dropout
-
-    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
-        x = F.dropout(x, p=self.dropout, training=self.training)
-        x = F.relu(self.conv1(x, edge_index))
-        x = F.dropout(x, p=self.dropout, training=self.training)
-        return self.conv2(x, edge_index)
-
-
-EXAMPLES: dict[str, type[nn.Module]] = {
-    "gcn": ExampleGCN,
-    "sage": ExampleSAGE,
-    "gat": ExampleGAT,
-    "gin": ExampleGIN,
-}
-EXAMPLE_ACT = {"gat": "elu"}  # the activation of each example (the module twin's ``act``)
-
-
-def make_model(
-    kind: str,
-    in_channels: int,
-    hidden: int,
-    out_channels: int,
-    *,
-    style: str = "module",
-    heads: int = 4,
-    dropout: float = 0.5,
-    act: str | None = None,
-) -> nn.Module:
-    """``kind`` in ``style``; a module-style model takes ``act`` (default: ReLU)."""
-    _check_kind(kind)
-    if style == "example":
-        extra = {"heads": heads} if kind == "gat" else {}
-        return EXAMPLES[kind](in_channels, hidden, out_channels, dropout=dropout, **extra)
-    if style != "module":
-        raise ValueError(f"unknown style {style!r}; valid styles: {', '.join(STYLES)}")
-    return GNN(kind, in_channels, hidden, out_channels, heads, dropout, act or "relu")
 
 
 @dataclass
@@ -357,21 +182,6 @@ def held_bytes(model: nn.Module, data: Data, *, profile: bool = True) -> tuple[i
     return report.retained_bytes, allocated
 
 
-def build_model(
-    kind: str,
-    data: Data,
-    hidden: int = 64,
-    heads: int = 4,
-    dropout: float = 0.5,
-    style: str = "module",
-) -> nn.Module:
-    """``kind`` in ``style`` for ``data``'s features and classes."""
-    classes = int(data.y.max()) + 1 if getattr(data, "y", None) is not None else 8
-    return make_model(
-        kind, data.num_features, hidden, classes, style=style, heads=heads, dropout=dropout
-    )
-
-
 def run(
     kind: str,
     data: Data,
@@ -454,26 +264,6 @@ def format_result(r: BenchResult) -> str:
         diff = (r.act_accuracy - r.fp_accuracy) * 100
         lines.append(f"accuracy difference (act - fp): {diff:+.2f} points")
     return "\n".join(lines)
-
-
-def load_data(path: str) -> Data:
-    """A ``Data`` object saved with ``torch.save`` (train/test masks made if missing)."""
-    data = torch.load(path, weights_only=False)
-    if not isinstance(data, Data) and hasattr(data, "__getitem__"):  # a dataset or list
-        data = data[0]
-    if not isinstance(data, Data):
-        raise TypeError(f"{path} holds a {type(data).__name__}, expected torch_geometric Data")
-    for attr in ("x", "y", "edge_index"):
-        if getattr(data, attr, None) is None:
-            raise ValueError(f"{path}: the Data object has no {attr!r}")
-    if getattr(data, "train_mask", None) is None or getattr(data, "test_mask", None) is None:
-        gen = torch.Generator().manual_seed(0)
-        perm = torch.randperm(data.num_nodes, generator=gen)
-        data.train_mask = torch.zeros(data.num_nodes, dtype=torch.bool)
-        data.train_mask[perm[: int(0.3 * data.num_nodes)]] = True
-        data.test_mask = ~data.train_mask
-    data.source = f"user data from {path}"
-    return data
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,140 @@
+"""What ``actcore bench train`` trains: the ``--levels`` items (:class:`Variant`, each
+applied to a model by :func:`applied_variant`) and the run's settings (:class:`TrainConfig`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from .routes import FP, applied, check_levels
+from .tasks import SPECS
+
+__all__ = [
+    "DEFAULT",
+    "DEFAULT_LEVELS",
+    "TrainConfig",
+    "Variant",
+    "applied_variant",
+    "parse_levels",
+    "resolve_device",
+    "valid_items",
+]
+
+DEFAULT = "default"
+DEFAULT_LEVELS = "fp,L2,L3,hooks:L1.2,hooks:L2,default"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One item of ``--levels``: its label, route (``none``, ``layers``, ``hooks``) and level."""
+
+    label: str
+    route: str
+    level: str | None  # None for fp and default
+
+
+def parse_levels(text: str | list[str]) -> list[Variant]:
+    """``fp,L2,L3,hooks:L1.2,default`` -> variants (fp first when given, each once).
+
+    ValueError names a bad item and lists what is valid.
+    """
+    items = text if isinstance(text, list) else [t.strip() for t in text.split(",")]
+    items = [t for t in dict.fromkeys(items) if t]
+    if not items:
+        raise ValueError("no levels given")
+    variants = []
+    for item in items:
+        if item in (FP, DEFAULT):
+            variants.append(Variant(item, "none" if item == FP else "layers", None))
+            continue
+        route, sep, level = item.rpartition(":")
+        route = route if sep else "layers"
+        if route not in ("layers", "hooks"):
+            raise ValueError(
+                f"unknown route {route!r} in {item!r}; write LEVEL or layers:LEVEL for "
+                "actcore.convert, hooks:LEVEL for actcore.Controller, fp or default"
+            )
+        try:
+            check_levels([level], route)
+        except ValueError:
+            raise ValueError(
+                f"unknown level {level!r} in --levels item {item!r}; valid: {valid_items()}"
+            ) from None
+        label = level if route == "layers" else item
+        variants.append(Variant(label, route, level))
+    variants = list({v.label: v for v in variants}.values())  # L3 and layers:L3 once
+    return sorted(variants, key=lambda v: v.label != FP)
+
+
+def valid_items() -> str:
+    """What ``--levels`` takes, for error messages."""
+    from ..config import LEVELS
+
+    try:
+        from ..policies import HOOK_LEVELS
+
+        hooks = ", ".join(f"hooks:{lv}" for lv in HOOK_LEVELS)
+    except ImportError:
+        hooks = "hooks:LEVEL"
+    return f"{FP}, {DEFAULT}, {', '.join(LEVELS)}, {hooks}"
+
+
+@dataclass
+class TrainConfig:
+    """What ``bench train`` trains (None: the task's default, or its ``--quick`` one)."""
+
+    task: str = "shakespeare-char"
+    arch: str = "gpt"
+    levels: list[str] = field(default_factory=lambda: DEFAULT_LEVELS.split(","))
+    seeds: int = 1
+    steps: int | None = None
+    eval_interval: int | None = None
+    eval_batches: int | None = None
+    batch: int | None = None
+    lr: float | None = None
+    quick: bool = False
+    device: str = "auto"
+    data_dir: str | None = None
+
+    def resolved(self) -> TrainConfig:
+        """A copy with every None filled in from the task's defaults."""
+        spec = SPECS[self.task]
+        q = self.quick
+        fill = {
+            "steps": spec.quick_steps if q else spec.steps,
+            "eval_interval": spec.quick_eval_interval if q else spec.eval_interval,
+            "eval_batches": spec.quick_eval_batches if q else spec.eval_batches,
+            "batch": spec.batch,
+            "lr": spec.lr,
+        }
+        values = asdict(self)
+        for key, default in fill.items():
+            if values[key] is None:
+                values[key] = default
+        return TrainConfig(**values)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@contextlib.contextmanager
+def applied_variant(model: nn.Module, v: Variant) -> Iterator[tuple[Callable | None, str]]:
+    """Apply ``v`` to ``model``; yields ``(iterate or None, the actcore level in effect)``."""
+    if v.label == DEFAULT:
+        import actcore
+
+        from ..config import config
+
+        actcore.convert(model)
+        level = getattr(getattr(model, "act_report", None), "level", None) or config.level
+        yield None, str(level)
+        return
+    with applied(model, v.level or FP, v.route if v.level else "layers") as after:
+        yield after, v.level or FP
