@@ -150,7 +150,7 @@ def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         fully_shard(model)
         c = Controller(model, "L1.1", min_numel=1)
         kinds: list[tuple[bool, bool]] = []  # (is a parameter or view of one, compressed)
-        pack = c.engine.pack
+        pack = c.saved_tensor_hooks.pack
 
         def counting_pack(t: torch.Tensor):
             h = pack(t)
@@ -158,7 +158,7 @@ def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             kinds.append((param, getattr(h, "stored", None) is not None))
             return h
 
-        c.engine.pack = counting_pack  # type: ignore[method-assign]
+        c.saved_tensor_hooks.pack = counting_pack  # type: ignore[method-assign]
         with c:
             loss = model(x[rank * 16 : (rank + 1) * 16]).square().mean()
             loss.backward()
@@ -209,7 +209,7 @@ def test_keys_name_modules_not_forward_order() -> None:
     model = TwoBranch()
     c = Controller(model, "L1", min_numel=1)
     seen: dict[str, torch.Size] = {}
-    pack, next_key = c.engine.pack, c.engine._next_key
+    pack, next_key = c.saved_tensor_hooks.pack, c.saved_tensor_hooks._next_key
     last: list[str] = []
 
     def record_key() -> str:
@@ -223,8 +223,8 @@ def test_keys_name_modules_not_forward_order() -> None:
             seen[last[-1]] = t.shape
         return h
 
-    c.engine._next_key = record_key  # type: ignore[method-assign]
-    c.engine.pack = record_pack  # type: ignore[method-assign]
+    c.saved_tensor_hooks._next_key = record_key  # type: ignore[method-assign]
+    c.saved_tensor_hooks.pack = record_pack  # type: ignore[method-assign]
     x, z = torch.randn(8, 16, requires_grad=True), torch.randn(8, 24, requires_grad=True)
     with c:
         model(x, z)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from actcore import Controller
 from actcore.exact_ops import ExactOps, needs_exact_saves
-from actcore.hooks import SavedTensorCompressor, compress_saved_tensors
+from actcore.saved_tensor_hooks import SavedTensorCompressor, compress_saved_tensors
 
 INF = math.inf
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
@@ -75,17 +75,17 @@ def test_without_exact_ops_the_same_gradients_are_wrong(name: str) -> None:
 
 
 def test_saves_outside_comparing_ops_are_still_compressed() -> None:
-    engine = SavedTensorCompressor(2, min_numel=1)
+    hooks = SavedTensorCompressor(2, min_numel=1)
     handles = []
-    pack = engine.pack
-    engine.pack = lambda t: handles.append(pack(t)) or handles[-1]  # type: ignore[method-assign]
+    pack = hooks.pack
+    hooks.pack = lambda t: handles.append(pack(t)) or handles[-1]  # type: ignore[method-assign]
     h = torch.randn(16, 64, requires_grad=True)
-    with engine:
+    with hooks:
         torch.sin(h)  # saves h: compressed
         h.amax(-1)  # saves h and its result: exact
         torch.exp(h)  # saves its result: compressed
     assert [x.stored is not None for x in handles] == [True, False, False, True]
-    assert not engine.active and torch._C._len_torch_function_stack() == 0  # mode popped
+    assert not hooks.active and torch._C._len_torch_function_stack() == 0  # mode popped
 
 
 def test_reduce_argument_and_norm_order_decide() -> None:
@@ -120,7 +120,7 @@ def test_mode_depth_counts_nested_calls_and_unwinds_on_error() -> None:
     assert seen == [0] and mode.depth == 0
 
 
-def test_controller_passes_exact_ops_to_its_engine() -> None:
+def test_controller_passes_exact_ops_to_its_hooks() -> None:
     model = torch.nn.Linear(8, 8)
-    assert Controller(model, "L1.2").engine.exact_ops is True
-    assert Controller(model, "L1.2", exact_ops=False).engine.exact_ops is False
+    assert Controller(model, "L1.2").saved_tensor_hooks.exact_ops is True
+    assert Controller(model, "L1.2", exact_ops=False).saved_tensor_hooks.exact_ops is False

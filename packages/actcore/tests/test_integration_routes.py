@@ -220,13 +220,13 @@ def test_hooks_keep_the_fewbit_index_as_is_and_not_the_activation_input() -> Non
     model = _bert_mlp()
     ctl = actcore.Controller(model, "L1", fewbit_bits=3)
     seen: list[torch.Tensor] = []
-    pack = ctl.engine.pack
+    pack = ctl.saved_tensor_hooks.pack
 
     def spy(t: torch.Tensor):
         seen.append(t)
         return pack(t)
 
-    ctl.engine.pack = spy  # type: ignore[method-assign]
+    ctl.saved_tensor_hooks.pack = spy  # type: ignore[method-assign]
     tokens = 16
     x = torch.randn(1, tokens, HIDDEN)
     with ctl:
@@ -238,9 +238,11 @@ def test_hooks_keep_the_fewbit_index_as_is_and_not_the_activation_input() -> Non
     floats = [t for t in activations if t.is_floating_point() and t.numel() == tokens * FFN]
     assert len(floats) == 1  # only the GELU output: its input is not saved as well
     index = next(t for t in activations if t.dtype == torch.uint8)
-    handle = ctl.engine.pack(index)
+    handle = ctl.saved_tensor_hooks.pack(index)
     assert handle.tensor is not None and handle.stored is None  # passed through untouched
-    assert ctl.engine.unpack(handle) is not None and torch.equal(ctl.engine.unpack(handle), index)
+    assert ctl.saved_tensor_hooks.unpack(handle) is not None and torch.equal(
+        ctl.saved_tensor_hooks.unpack(handle), index
+    )
     out.sum().backward()
     assert torch.isfinite(model[0].weight.grad).all()
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import actcore
-from actcore import engine, memory
+from actcore import memory, stash
 from actcore.compressors import Derived
 
 
@@ -61,7 +61,7 @@ def test_norm_output_is_rebuilt_from_its_normalized_input(kind: str, monkeypatch
     with memory.track(model) as rep:
         out = model(x)
     (h,) = model.seen
-    part = engine.packing_of(h)
+    part = stash.packing_of(h)
     assert part is not None and isinstance(part[0], Derived)
     rebuilt = part[0].unpack(part[1], part[2])
     # the rebuild is the norm's output up to the 4-bit rounding of the normalized input

@@ -51,10 +51,10 @@ def test_queue_holds_entries_weakly() -> None:
 @pytest.mark.parametrize("inner", [IDENTITY, Quantize(4)])
 def test_cpu_swap_is_its_inner_compressor(inner) -> None:
     x = torch.randn(4, 1024)
-    before = dict(compressors._QUEUES)
+    before = dict(compressors.swap._QUEUES)
     tensors, meta = Swap(inner).pack(x)
     assert meta[0] is None and len(meta) == 2  # nothing swapped, nothing queued
-    assert before == compressors._QUEUES
+    assert before == compressors.swap._QUEUES
     if inner is IDENTITY:
         assert tensors[0] is x
         assert Swap(inner).unpack(tensors, meta) is x
@@ -92,7 +92,7 @@ def test_cuda_prefetch_on_side_stream_values_exact() -> None:
     assert torch.equal(out4, xs[4])
     assert entries[3].fetched is not None and entries[2].fetched is not None
     assert entries[1].fetched is None
-    side = compressors._SIDE_STREAMS[dev]
+    side = compressors.swap._SIDE_STREAMS[dev]
     assert side != torch.cuda.current_stream(dev)  # the copies ran on a side stream
     for i in (3, 2, 1, 0):
         prefetched = entries[i].fetched

@@ -30,8 +30,8 @@ from torch import nn
 from actcore import ops
 from actcore.compressors import IDENTITY, Compressor, Quantize, Swap
 from actcore.config import LevelSpec, config, level_spec
-from actcore.engine import CONV, choose, needs_saving, stash, unstash
 from actcore.layers.functions import dropout_backward, dropout_with_mask
+from actcore.stash import CONV, choose, needs_saving, stash, unstash
 
 log = logging.getLogger("act_hf")
 

@@ -16,13 +16,13 @@ from torch import nn
 from transformers import activations as hf_activations
 from transformers.pytorch_utils import Conv1D
 
-from actcore.engine import CONV, IDENTITY, stash, unstash
 from actcore.fewbit import TableCode, apply, get_table
 from actcore.fewbit.convert import register_activation
 from actcore.layers import QLayer, register_q_layer
 from actcore.layers.functions import guard_input, own_output
 from actcore.layers.recompute import register_recomputed
 from actcore.op_mode import call_outside_modes
+from actcore.stash import CONV, IDENTITY, stash, unstash
 
 __all__ = ["FEWBIT_ACTIVATIONS", "Conv1DFunction", "QConv1D", "fewbit_class_for"]
 

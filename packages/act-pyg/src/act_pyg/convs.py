@@ -26,7 +26,7 @@ from torch_geometric.nn.conv.gcn_conv import gcn_norm
 from torch_geometric.typing import SparseTensor
 from torch_geometric.utils import add_self_loops, remove_self_loops
 
-from actcore.engine import needs_saving
+from actcore.stash import needs_saving
 
 from .functions import GATAttention, LinearAggregation, linear
 from .graph import Graph, shared_graph

@@ -88,12 +88,12 @@ from .compressors import (
     sample_range_weights,
 )
 from .config import config
-from .engine import CONV, NORM, ROW_NORM, layer_spec, records, role_bits
+from .stash import CONV, NORM, ROW_NORM, layer_spec, records, role_bits
 
 __all__ = ["AdaptiveBits", "ScoredPerSampleQuantize"]
 
 _DEFAULT_WINDOW = 4
-_PLANNED_BY = "adaptive bits of"  # engine record: the layer whose plan packs the tensor
+_PLANNED_BY = "adaptive bits of"  # stash record: the layer whose plan packs the tensor
 
 log = logging.getLogger("actcore")
 
@@ -428,7 +428,7 @@ class AdaptiveBits:
         mean = filled.mean()
         return torch.where(mean > 0, filled / mean, torch.ones_like(filled))
 
-    # --- the engine's hooks ----------------------------------------------------------------
+    # --- what the stash asks an act_scheme -------------------------------------------------
 
     def collecting(self) -> bool:
         """Whether the step now running takes statistics: every step up to the first replan,

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .compressors import IDENTITY
-from .engine import OTHER, stash, unstash
 from .forward_state import forward_state, plain_saves, replayed
+from .stash import OTHER, stash, unstash
 
 __all__ = ["AttentionFunction", "attention"]
 

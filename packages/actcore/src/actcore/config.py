@@ -1,7 +1,13 @@
 """Optimization levels of the layer-swap route and the process-wide configuration.
 
 ``actcore.set_optimization_level("L3")`` picks the level that Q-layers use unless
-``convert(model, level=...)`` gave them their own. The table of levels is ``LEVELS``.
+``convert(model, level=...)`` gave them their own. The table of levels is ``LEVELS`` (after
+ActNN's), and :func:`level_spec` is the layer route's one resolver of level names. The
+saved-tensor hooks route (``Controller``, ``compress_saved_tensors``) has its own table
+after GACT's, :data:`actcore.policies.HOOK_LEVELS`, resolved by
+:func:`actcore.policies.hook_level`: the same name may mean another thing there (L3 is
+2-bit adaptive here, 4-bit auto precision with CPU swap there), so a name is only ever
+looked up in its own route's table.
 
 Notes per level: L3 and above attach an :class:`actcore.adaptive.AdaptiveBits` (per-sample
 and per-layer bits around the 2-bit average). L3.1 only changes the convolution backward
@@ -118,7 +124,10 @@ LEVELS: dict[str, LevelSpec] = {
 
 
 def level_spec(level: str | LevelSpec) -> LevelSpec:
-    """The :class:`LevelSpec` of ``level``, or ValueError listing the valid names."""
+    """The :class:`LevelSpec` of ``level``, or ValueError listing the valid names.
+
+    The layer route's resolver: it knows :data:`LEVELS` only (a hooks-route name such as
+    ``"L1.2"`` is an unknown level here, see :func:`actcore.policies.hook_level`)."""
     if isinstance(level, LevelSpec):
         return level
     try:

@@ -22,6 +22,7 @@ afterwards, so the caller's ``.grad`` and random stream are unchanged).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -29,13 +30,13 @@ from torch import nn
 
 from .fewbit.convert import swap_activation
 from .fewbit.tables import check_bits
-from .hooks import SavedTensorCompressor
 from .policies import HookLevel, Policy, check_iteration, hook_level, make_policy
 from .rng import SeedStream
+from .saved_tensor_hooks import SavedTensorCompressor
 
 __all__ = ["Controller", "swap_activations"]
 
-_ENGINE_OPTIONS = ("min_numel", "group_size", "exact_ops")
+_HOOK_OPTIONS = ("min_numel", "group_size", "exact_ops")
 
 
 def swap_activations(model: nn.Module, bits: int | None) -> dict[str, str]:
@@ -57,7 +58,9 @@ class Controller:
     Args:
         model: the model (its parameters/buffers are never compressed; its module names key
             the per-tensor bit plan).
-        level: one of :data:`actcore.policies.HOOK_LEVELS` (``"L0"``..``"L3"``).
+        level: one of :data:`actcore.policies.HOOK_LEVELS` (``"L0"``..``"L3"``), GACT's
+            levels, resolved by :func:`actcore.policies.hook_level` only: ``"L3"`` here is
+            4-bit auto precision with CPU swap, not ``convert``'s 2-bit adaptive L3.
         policy: ``None`` (the level's), ``"fixed"``, ``"auto"``, ``"acgc"`` or a
             :class:`~actcore.policies.Policy`.
         fewbit_bits: 1..4, or None. When given, the model's smooth activations (GELU, SiLU,
@@ -71,6 +74,9 @@ class Controller:
         **overrides: ``min_numel``, ``group_size``, ``exact_ops`` (see
             :func:`actcore.compress_saved_tensors`), and the policy's options (``bits``,
             ``avg_bits``, ``adapt_interval``, ``error_bound``, ``max_passes``, ``swap``, ...).
+
+    The :class:`~actcore.saved_tensor_hooks.SavedTensorCompressor` it installs is its
+    ``saved_tensor_hooks`` attribute.
     """
 
     def __init__(
@@ -87,12 +93,12 @@ class Controller:
             raise TypeError(f"Controller needs an nn.Module, got {type(model).__name__}")
         self.level = hook_level(level)
         self.fewbit_swapped = {} if fewbit_bits is None else swap_activations(model, fewbit_bits)
-        engine_opts = {k: overrides.pop(k) for k in _ENGINE_OPTIONS if k in overrides}
+        hook_options = {k: overrides.pop(k) for k in _HOOK_OPTIONS if k in overrides}
         self.policy = make_policy(self.level, policy, **overrides)
         self.model = model
-        self.engine = SavedTensorCompressor(self.policy, **engine_opts)
+        self.saved_tensor_hooks = SavedTensorCompressor(self.policy, **hook_options)
         self.rng = SeedStream(seed)
-        self.engine.stream = self.rng
+        self.saved_tensor_hooks.stream = self.rng
         self.iteration = 0
         self._installed = False
 
@@ -102,20 +108,31 @@ class Controller:
     def installed(self) -> bool:
         return self._installed
 
+    @property
+    def engine(self) -> SavedTensorCompressor:
+        """Deprecated name of :attr:`saved_tensor_hooks` (removed in the next release)."""
+        warnings.warn(
+            "Controller.engine is deprecated and will be removed in the next release: it is "
+            "now Controller.saved_tensor_hooks (the SavedTensorCompressor it installs)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.saved_tensor_hooks
+
     def install_hook(self) -> None:
         """Start compressing saved tensors (on this thread) until :meth:`uninstall_hook`."""
         if self._installed:
             return
-        self.engine.attach(self.model)
-        self.engine.__enter__()
+        self.saved_tensor_hooks.attach(self.model)
+        self.saved_tensor_hooks.__enter__()
         self._installed = True
 
     def uninstall_hook(self) -> None:
         """Stop compressing; graphs built meanwhile still backpropagate correctly."""
         if not self._installed:
             return
-        self.engine.__exit__(None, None, None)
-        self.engine.detach_model()
+        self.saved_tensor_hooks.__exit__(None, None, None)
+        self.saved_tensor_hooks.detach_model()
         self._installed = False
 
     def __enter__(self) -> Controller:
@@ -130,7 +147,7 @@ class Controller:
     def iterate(self, backprop: Callable[[], Any] | None = None) -> None:
         """Call once per iteration. Adaptive policies re-estimate every ``adapt_interval``
         iterations by calling ``backprop`` (forward + backward, no optimizer step)."""
-        self.engine.refresh_params()
+        self.saved_tensor_hooks.refresh_params()
         if self.policy.wants_adapt(self.iteration):
             if backprop is None:
                 raise ValueError(
@@ -141,7 +158,7 @@ class Controller:
             if not was_installed:
                 self.install_hook()
             try:
-                self.policy.adapt(self.engine, backprop)
+                self.policy.adapt(self.saved_tensor_hooks, backprop)
             finally:
                 if not was_installed:
                     self.uninstall_hook()

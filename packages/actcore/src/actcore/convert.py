@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Iterable, Sequence
+import warnings
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from .compressors import IDENTITY, Compressor, Quantize, ZeroValue
 from .config import LevelSpec, config, level_spec
 from .fewbit.convert import (
     SMOOTH_LEFT,
@@ -25,8 +25,8 @@ from .fewbit.convert import (
 )
 from .layers.modules import Q_LAYERS, QLayer, unsupported_reason
 from .layers.recompute import RecomputedModule, recomputed_class
-from .pass_stats import record_stats
-from .policies import POLICY_OPTIONS, Policy, check_iteration, make_policy
+from .policies import Policy
+from .policy_scheme import make_scheme, set_policy
 from .rng import attach_stream
 from .scope import attach_scope, detach_scope
 from .walker import Converter, Exclude, Left, check_exclude, is_excluded, walk
@@ -34,7 +34,6 @@ from .walker import Converter, Exclude, Left, check_exclude, is_excluded, walk
 __all__ = [
     "ConversionReport",
     "Exclude",
-    "PolicyScheme",
     "QModule",
     "check_exclude",
     "convert",
@@ -94,6 +93,9 @@ def convert(
 ) -> nn.Module:
     """Compress what ``model`` keeps for backward at ``level`` (default: ``config.level``).
 
+    ``level`` is a name of :data:`actcore.config.LEVELS` (ActNN's levels, resolved by
+    :func:`actcore.config.level_spec` only; :class:`actcore.Controller` has its own table).
+
     Standard layers become Q-layers (in place: same objects, parameters and ``state_dict``
     keys), and, unless ``layers_only``, everything else the model's forward saves goes
     through the saved-tensor hooks under the same level, scoped to the root module's
@@ -120,8 +122,8 @@ def convert(
     its ``policy_options`` such as ``error_bound=0.1``) picks the bits of each tensor a
     Q-layer saves (key ``"<module name>:<role>"``) instead of the level's bits (and of L3's
     adaptive bits); the level still says which roles are compressed and whether to swap.
-    The model's ``act_policy`` (a :class:`PolicyScheme`) then offers ``iterate(backprop)``
-    and ``state_dict()`` as :class:`actcore.Controller` does.
+    The model's ``act_policy`` (a :class:`actcore.policy_scheme.PolicyScheme`) then offers
+    ``iterate(backprop)`` and ``state_dict()`` as :class:`actcore.Controller` does.
 
     ``converters`` (for adapters): tried before the Q-layer swap on every module that is not
     excluded (see :func:`actcore.walker.walk`).
@@ -132,7 +134,7 @@ def convert(
     """
     _check_model(model)
     spec = level_spec(level if level is not None else config.level)
-    scheme = _make_scheme(spec, policy, policy_options)
+    scheme = make_scheme(spec, policy, policy_options)
     if fewbit_bits is _DEFAULT:
         fewbit_bits = default_fewbit_bits(spec)
     if fewbit_bits is not None:
@@ -160,7 +162,7 @@ def convert(
     report.converted, report.left = done.converted, done.left
     attach_stream(model, seed)
     _set_adaptive(model, spec.adaptive and scheme is None)
-    _set_policy(model, scheme)
+    set_policy(model, scheme)
     if layers_only or not (spec.compresses or spec.swap):
         detach_scope(model)
     else:
@@ -236,166 +238,21 @@ def _set_adaptive(model: nn.Module, adaptive: bool) -> None:
         model.act_adaptive = None
 
 
-def _make_scheme(spec: LevelSpec, policy: Any, options: dict[str, Any]) -> PolicyScheme | None:
-    if policy is None:
-        if options:
-            raise TypeError(f"options {sorted(options)} need a policy (fixed, auto, acgc)")
-        return None
-    if isinstance(policy, PolicyScheme):
-        return policy
-    if not isinstance(policy, Policy):
-        if policy not in POLICY_OPTIONS:
-            raise ValueError(
-                f"unknown policy {policy!r}; valid: {', '.join(POLICY_OPTIONS)} or a Policy"
-            )
-        default = spec.conv_bits if spec.conv_bits is not None else 4
-        if policy == "fixed":
-            options = {"bits": default, **options}
-        elif policy == "auto":
-            options = {"avg_bits": default, **options}
-        # swapping is the level's business here (L4, L5, swap wrap every compressor)
-        policy = make_policy("L2", policy, **options)
-    elif options:
-        raise TypeError(f"options {sorted(options)} cannot apply to a Policy instance")
-    return PolicyScheme(policy)
-
-
-def _set_policy(model: nn.Module, scheme: PolicyScheme | None) -> None:
-    old = getattr(model, "act_policy", None)
-    if isinstance(old, PolicyScheme):
-        old.detach()
-    if scheme is None:
-        if old is not None:
-            model.act_policy = None
-        return
-    model.act_policy = scheme.attach(model)
-
-
-class PolicyScheme:
-    """A policy of :mod:`actcore.policies` as the ``act_scheme`` of a converted model's
-    Q-layers: the same bit plans, estimation and ``state_dict`` as with the hooks route.
-
-    Call :meth:`iterate` once per training iteration (``backprop`` runs one forward and
-    backward, no optimizer step); adaptive policies re-estimate every ``adapt_interval``
-    iterations. Keys are ``"<module name>:<role>"`` (role ``conv`` or ``norm``).
-    """
-
-    def __init__(self, policy: Policy, *, group_size: int | None = None) -> None:
-        self.policy = policy
-        self.group_size = config.group_size if group_size is None else group_size
-        self.model: nn.Module | None = None
-        self.iteration = 0
-        # what AdaptivePolicy.adapt sets while it estimates (same protocol as the hooks')
-        self.seeds: Any = None
-        self.stats: Any = None
-        self._layers: list[nn.Module] = []
-
-    def attach(self, model: nn.Module) -> PolicyScheme:
-        """Become the ``act_scheme`` of every Q-layer of ``model`` (names become keys)."""
-        self.detach()
-        self.model = model
-        for name, module in model.named_modules():
-            if isinstance(module, QLayer):
-                module.act_scheme = self
-                module.act_name = name
-                self._layers.append(module)
-        return self
-
-    def detach(self) -> None:
-        for module in self._layers:
-            if getattr(module, "act_scheme", None) is self:
-                module.act_scheme = None
-        self._layers = []
-        self.model = None
-
-    # ---- the engine's hook ------------------------------------------------------------------
-
-    def compressor(self, layer: Any, role: str, x: Any, bits: int, mask: Any) -> Compressor | None:
-        """The policy's compressor for ``x``, which ``layer`` saves in ``role``."""
-        from .hooks import SeededQuantize
-
-        name = getattr(layer, "act_name", None)
-        if name is None:
-            return None
-        key = f"{name}:{role}"
-        chosen = self.policy.bits_for(key)
-        if chosen is None:
-            return IDENTITY
-        per_sample = mask is None
-        if self.seeds is not None:
-            q: Compressor = SeededQuantize(
-                chosen, self.group_size, per_sample=per_sample, seed=self.seeds.get(key, 0)
-            )
-        else:
-            q = Quantize(chosen, self.group_size, per_sample=per_sample, stochastic=True)
-        if self.stats is not None:
-            q = _Recorded(q, key, chosen, self)
-        return q if mask is None else ZeroValue(mask, q)
-
-    # ---- iterations and state ---------------------------------------------------------------
-
-    def iterate(self, backprop: Callable[[], Any] | None = None) -> None:
-        """Once per iteration; adaptive policies re-estimate by calling ``backprop``."""
-        if self.policy.wants_adapt(self.iteration):
-            if backprop is None:
-                raise ValueError(
-                    f"policy {self.policy.name!r} adapts at iteration {self.iteration}: "
-                    "iterate() needs the backprop callable"
-                )
-            if self.model is None:
-                raise RuntimeError("this PolicyScheme is not attached to a model")
-            self.policy.adapt(self, backprop)
-        self.iteration += 1
-
-    @property
-    def bit_plan(self) -> dict[str, int | None]:
-        return dict(getattr(self.policy, "plan", {}))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "policy": self.policy.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = {"iteration", "policy"} - set(state)
-        if missing:
-            raise KeyError(f"PolicyScheme state lacks {sorted(missing)}")
-        iteration = check_iteration(state["iteration"], "PolicyScheme")
-        self.policy.load_state_dict(state["policy"])  # checks all first, then changes
-        self.iteration = iteration
-
-    def __repr__(self) -> str:
-        return f"PolicyScheme({self.policy!r}, iteration={self.iteration})"
-
-
-@dataclass(frozen=True, eq=False)
-class _Recorded(Compressor):
-    """Packs with ``inner`` and records its spread in the scheme's estimation statistics."""
-
-    inner: Compressor
-    stat_key: str
-    bits: int
-    scheme: PolicyScheme
-    name = "recorded"
-
-    @property
-    def lossy(self) -> bool:  # type: ignore[override]
-        return self.inner.lossy
-
-    def pack(self, x: Any) -> tuple[Any, Any]:
-        tensors, meta = self.inner.pack(x)
-        stats = self.scheme.stats
-        if stats is not None:
-            record_stats(
-                stats, self.stat_key, self.bits, x.numel(), tensors, self.scheme.group_size
-            )
-        return tensors, meta
-
-    def unpack(self, tensors: Any, meta: Any) -> Any:
-        return self.inner.unpack(tensors, meta)
-
-    def key(self) -> tuple:
-        return (self.name, self.stat_key, *self.inner.key())
-
-
 def QModule(model: nn.Module) -> nn.Module:
     """ActNN's entry point: ``convert(model)`` at the level set by ``set_optimization_level``."""
     return convert(model)
+
+
+def __getattr__(name: str) -> Any:
+    """``PolicyScheme``, deprecated here: it moved to :mod:`actcore.policy_scheme`."""
+    if name == "PolicyScheme":
+        warnings.warn(
+            "actcore.convert.PolicyScheme is deprecated and will be removed in the next "
+            "release: it moved to actcore.policy_scheme.PolicyScheme",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from .policy_scheme import PolicyScheme
+
+        return PolicyScheme
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

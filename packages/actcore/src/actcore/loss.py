@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import engine
 from .compressors import IDENTITY, Quantize
+from .stash import records, stash, unstash
 
 __all__ = [
     "LOGIT_BITS",
@@ -58,14 +58,14 @@ def note_linear_output(
     tokens x hidden while the tokens x vocabulary logits are alive anyway.
     """
     layer_ref = None if layer is None else weakref.ref(layer)
-    engine.records().setdefault(out)[_SOURCE] = (x, x._version, weight, bias, layer_ref, ())
+    records().setdefault(out)[_SOURCE] = (x, x._version, weight, bias, layer_ref, ())
 
 
 def note_cast(out: torch.Tensor, source: torch.Tensor) -> None:
     """Record that ``out`` is ``source`` cast to another dtype (a linear source carries over)."""
     found = _source_record(source)
     if found is not None:
-        engine.records().setdefault(out)[_SOURCE] = found
+        records().setdefault(out)[_SOURCE] = found
 
 
 _RESHAPES = {
@@ -104,7 +104,7 @@ def note_rows(out: Any, func: Any, args: tuple, kwargs: dict) -> None:
     else:
         return
     x, version, weight, bias, layer_ref, steps = found
-    engine.records().setdefault(out)[_SOURCE] = (x, version, weight, bias, layer_ref, steps + step)
+    records().setdefault(out)[_SOURCE] = (x, version, weight, bias, layer_ref, steps + step)
 
 
 def _leading_index(index: Any, dim: int) -> tuple | None:
@@ -134,11 +134,11 @@ def _replay(x: torch.Tensor, steps: tuple) -> torch.Tensor:
 
 
 def _source_record(t: torch.Tensor) -> tuple | None:
-    record = engine.records().get(t)
+    record = records().get(t)
     if record is not None and _SOURCE in record:
         return record[_SOURCE]
     base = t._base
-    record = None if base is None else engine.records().get(base)
+    record = None if base is None else records().get(base)
     if record is None or _SOURCE not in record:
         return None
     pure_reshape = (
@@ -192,17 +192,17 @@ class CrossEntropyFunction(torch.autograd.Function):
         if source is not None:
             x, weight, bias, ctx.steps = source
             ctx.linear = (weight, bias)
-            engine.stash(ctx, layer, [(x, IDENTITY), (target, IDENTITY)])
+            stash(ctx, layer, [(x, IDENTITY), (target, IDENTITY)])
         else:
             ctx.linear = None
             comp = Quantize(LOGIT_BITS, stochastic=False)
-            engine.stash(ctx, layer, [(logits, comp), (target, IDENTITY)])
+            stash(ctx, layer, [(logits, comp), (target, IDENTITY)])
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        saved, target = engine.unstash(ctx)
+        saved, target = unstash(ctx)
         if ctx.linear is not None:
             weight, bias = ctx.linear
             rows = _replay(saved, ctx.steps)

@@ -1,7 +1,8 @@
 """What one forward under estimation records for the adaptive policies, per saved tensor.
 
-The engines (:mod:`actcore.hooks`, :mod:`actcore.convert`) record into a
-:class:`PassStats`; :class:`actcore.policies.AdaptivePolicy` reads it.
+What packs the saved tensors records into a :class:`PassStats` (the saved-tensor hooks of
+:mod:`actcore.saved_tensor_hooks`; on the layer route :class:`actcore.compressors.Recorded`,
+for :mod:`actcore.policy_scheme`); :class:`actcore.policies.AdaptivePolicy` reads it.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ class Policy:
     def wants_adapt(self, iteration: int) -> bool:
         return self.adapt_interval > 0 and iteration % self.adapt_interval == 0
 
-    def adapt(self, engine: Any, backprop: Callable[[], Any]) -> None:
+    def adapt(self, packer: Any, backprop: Callable[[], Any]) -> None:
         """Re-estimate (adaptive policies); ``backprop`` runs forward and backward once."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -257,8 +257,8 @@ class AdaptivePolicy(Policy):
 
     # ---- estimation -------------------------------------------------------------------------
 
-    def adapt(self, engine: Any, backprop: Callable[[], Any]) -> None:
-        model: nn.Module | None = engine.model
+    def adapt(self, packer: Any, backprop: Callable[[], Any]) -> None:
+        model: nn.Module | None = packer.model
         if model is None:
             raise RuntimeError(f"the {self.name!r} policy needs a model to adapt (use Controller)")
         params = [p for p in model.parameters() if p.requires_grad]
@@ -269,12 +269,12 @@ class AdaptivePolicy(Policy):
         def run(seeds: _Seeds) -> tuple[torch.Tensor, Any]:
             for p in params:
                 p.grad = None
-            engine.seeds, engine.stats = seeds, PassStats()
+            packer.seeds, packer.stats = seeds, PassStats()
             _set_rng_state(rng)
             try:
                 backprop()
             finally:
-                stats, engine.stats, engine.seeds = engine.stats, None, None
+                stats, packer.stats, packer.seeds = packer.stats, None, None
             flat = [p.grad.detach().float().reshape(-1) for p in params if p.grad is not None]
             return (torch.cat(flat) if flat else torch.zeros(0)), stats
 

@@ -44,10 +44,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import LevelSpec
-from .engine import NORMALIZED, derive_from, in_checkpoint, note_output
 from .fewbit import functional as FB
 from .layers.recompute import recompute
 from .loss import ROW_FUNCS, note_rows
+from .stash import NORMALIZED, derive_from, in_checkpoint, note_output
 
 __all__ = ["FunctionalLayer", "FunctionalRouter"]
 
@@ -56,7 +56,7 @@ _Handler = Callable[["FunctionalRouter", tuple, dict], Any]
 
 
 class FunctionalLayer:
-    """What a routed functional call is to the engine: a level and a name, no weights."""
+    """What a routed functional call is to the stash: a level and a name, no weights."""
 
     act_scheme: Any = None
 
@@ -454,7 +454,7 @@ class FunctionalRouter:
     def after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """After an unrouted call: what its output derives from, for products (a gated MLP's
         ``act(gate) * up``, a layer scale): a later save of the product refers to the packings
-        of its operands instead of keeping a copy (:func:`actcore.engine.derive`)."""
+        of its operands instead of keeping a copy (:func:`actcore.stash.derive`)."""
         try:
             product = func in _PRODUCTS
             rows = func in ROW_FUNCS

@@ -4,12 +4,14 @@
 forward pre-hook to its forward hook (and only then, only on the thread running that
 forward) it pushes
 
-* the saved-tensor hooks of :mod:`actcore.hooks`, which compress every other floating
-  tensor autograd saves (functional ops, elementwise products, inline attention, a loss
-  computed in the model) at the level's conv/linear bits, with the tailored choices of
-  :class:`actcore.hooks.SavedTensorCompressor` (softmax / sigmoid / tanh outputs at 4 bits
-  at least, log-probabilities and the forward's own constants exact), while tensors a
-  Q-layer packed pass through (and a tensor a Q-layer packed is not stored twice), and
+* the saved-tensor hooks of :mod:`actcore.saved_tensor_hooks` (its ``saved_tensor_hooks``
+  attribute), which compress every other floating tensor autograd saves (functional ops,
+  elementwise products, inline attention, a loss computed in the model) at the level's
+  ``other_bits``, with the tailored choices of
+  :class:`actcore.saved_tensor_hooks.SavedTensorCompressor` (softmax / sigmoid / tanh
+  outputs at 4 bits at least, log-probabilities and the forward's own constants exact),
+  while tensors a Q-layer packed pass through (and a tensor a Q-layer packed is not stored
+  twice), and
 * an :class:`actcore.op_mode.OpMode` with a :class:`actcore.routing.FunctionalRouter`, so
   functional ReLUs, dropouts, smooth activations and normalizations get the Q-layers'
   tailored compressors.
@@ -26,6 +28,7 @@ own scope).
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,9 +36,9 @@ import torch
 from torch import nn
 
 from .config import LevelSpec, level_spec
-from .hooks import SavedTensorCompressor
 from .policies import FixedBits
 from .routing import FunctionalRouter
+from .saved_tensor_hooks import SavedTensorCompressor
 
 __all__ = ["ModelScope", "attach_scope", "detach_scope", "hook_bits"]
 
@@ -57,7 +60,7 @@ class ModelScope:
 
     def _build(self) -> None:
         bits = hook_bits(self.spec)
-        self.engine = SavedTensorCompressor(
+        self.saved_tensor_hooks = SavedTensorCompressor(
             FixedBits(bits, swap=self.spec.swap),
             tailored=True,
             router=FunctionalRouter(self.spec, self.fewbit_bits),
@@ -72,12 +75,12 @@ class ModelScope:
         self._local.depth = depth + 1
         if depth or not torch.is_grad_enabled():
             return
-        if self.engine.model is not root:
-            self.engine.attach(root)
+        if self.saved_tensor_hooks.model is not root:
+            self.saved_tensor_hooks.attach(root)
         else:
-            self.engine.refresh_params()
-        self.engine.set_inputs(inputs)
-        self.engine.__enter__()
+            self.saved_tensor_hooks.refresh_params()
+        self.saved_tensor_hooks.set_inputs(inputs)
+        self.saved_tensor_hooks.__enter__()
         self._local.entered = True
         stack = getattr(_ACTIVE, "stack", None)
         if stack is None:
@@ -92,12 +95,23 @@ class ModelScope:
             stack = getattr(_ACTIVE, "stack", [])
             if stack and stack[-1] is self:
                 stack.pop()
-            self.engine.__exit__(None, None, None)
+            self.saved_tensor_hooks.__exit__(None, None, None)
 
     @property
     def active(self) -> bool:
         """Whether this thread is inside the scope (in the root's forward, hooks pushed)."""
-        return self.engine.active
+        return self.saved_tensor_hooks.active
+
+    @property
+    def engine(self) -> SavedTensorCompressor:
+        """Deprecated name of :attr:`saved_tensor_hooks` (removed in the next release)."""
+        warnings.warn(
+            "ModelScope.engine is deprecated and will be removed in the next release: it is "
+            "now ModelScope.saved_tensor_hooks (the SavedTensorCompressor it pushes)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.saved_tensor_hooks
 
     # ---- copies -----------------------------------------------------------------------------
 
@@ -141,14 +155,14 @@ def _innermost() -> ModelScope | None:
 def _excluded_pre(module: nn.Module, args: Any) -> None:
     scope = _innermost()
     if scope is not None:
-        scope.engine.suspend()
+        scope.saved_tensor_hooks.suspend()
         module.__dict__.setdefault("_act_suspended", []).append(scope)
 
 
 def _excluded_post(module: nn.Module, args: Any, output: Any) -> None:
     held = module.__dict__.get("_act_suspended")
     if held:
-        held.pop().engine.resume()
+        held.pop().saved_tensor_hooks.resume()
 
 
 def _has_hook(hooks: dict, fn: Any) -> bool:

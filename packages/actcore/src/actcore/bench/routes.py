@@ -11,8 +11,6 @@ from typing import Any
 
 from torch import nn
 
-from ..config import LEVELS
-
 __all__ = [
     "FP",
     "HOOKS_UNAVAILABLE",
@@ -21,6 +19,7 @@ __all__ = [
     "applied",
     "check_levels",
     "hooks_available",
+    "route_levels",
 ]
 
 FP = "fp"
@@ -47,26 +46,42 @@ def _controller(model: nn.Module, level: str) -> Any:
     return actcore.Controller(model, level=level)
 
 
-def check_levels(levels: list[str], route: str = "layers") -> list[str]:
-    """``levels`` if each is valid for ``route`` (``fp`` always is), else ValueError.
+def route_levels(route: str) -> tuple[dict[str, Any], Callable[[Any], Any]]:
+    """``route``'s own level table and the one function that resolves its level names.
 
-    The error names the bad level and lists the valid ones; an unavailable route raises
+    The layer route (``actcore.convert``) has ActNN's levels, :data:`actcore.config.LEVELS`
+    resolved by :func:`actcore.config.level_spec`; the hooks route (``actcore.Controller``)
+    GACT's, :data:`actcore.policies.HOOK_LEVELS` resolved by
+    :func:`actcore.policies.hook_level`. A name means what its own route's table says (L3:
+    2-bit adaptive on the layer route, 4-bit auto precision with CPU swap on the hooks
+    route) and is never looked up in the other route's table.
+    """
+    if route == "layers":
+        from ..config import LEVELS, level_spec
+
+        return LEVELS, level_spec
+    if route == "hooks":
+        from ..policies import HOOK_LEVELS, hook_level
+
+        return HOOK_LEVELS, hook_level
+    raise ValueError(f"unknown route {route!r}; valid routes: {', '.join(ROUTES)}")
+
+
+def check_levels(levels: list[str], route: str = "layers") -> list[str]:
+    """``levels`` if each is a level of ``route`` (``fp`` always is), else ValueError.
+
+    Each name is resolved by ``route``'s own resolver (:func:`route_levels`). The error
+    names the bad level and lists the valid ones; an unavailable route raises
     :class:`RouteUnavailable`.
     """
     if route not in ROUTES:
         raise ValueError(f"unknown route {route!r}; valid routes: {', '.join(ROUTES)}")
     if not levels:
         raise ValueError("no levels given")
-    if route == "layers":
-        valid = [FP, *LEVELS]
-        for level in levels:
-            if level not in valid:
-                raise ValueError(f"unknown level {level!r}; valid levels: {', '.join(valid)}")
-        return levels
-    if not hooks_available():
+    if route == "hooks" and not hooks_available():
         raise RouteUnavailable(HOOKS_UNAVAILABLE)
     try:
-        from ..policies import HOOK_LEVELS
+        table, resolve = route_levels(route)
     except ImportError:  # no table: the Controller knows its levels, ask it on a throwaway
         for level in levels:
             if level != FP:
@@ -75,12 +90,15 @@ def check_levels(levels: list[str], route: str = "layers") -> list[str]:
                 except (ValueError, KeyError) as err:
                     raise ValueError(f"level {level!r} of the hooks route: {err}") from None
         return levels
-    valid = [FP, *HOOK_LEVELS]
+    where = "" if route == "layers" else " for --route hooks"
     for level in levels:
-        if level not in valid:
-            raise ValueError(
-                f"unknown level {level!r} for --route hooks; valid levels: {', '.join(valid)}"
-            )
+        if level == FP:
+            continue
+        try:
+            resolve(level)
+        except ValueError:
+            valid = ", ".join([FP, *table])
+            raise ValueError(f"unknown level {level!r}{where}; valid levels: {valid}") from None
     return levels
 
 

@@ -255,11 +255,16 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
 
 def check_variant(variant: str) -> str:
     """``variant`` if valid, else ValueError naming it and what is allowed."""
-    from ..config import LEVELS
+    from ..config import LEVELS, level_spec
 
-    level = variant[: -len(LAYERS_SUFFIX)] if variant.endswith(LAYERS_SUFFIX) else variant
-    if variant in (FP, CHECKPOINT) or level in LEVELS:
+    if variant in (FP, CHECKPOINT):
         return variant
+    level = variant[: -len(LAYERS_SUFFIX)] if variant.endswith(LAYERS_SUFFIX) else variant
+    try:
+        level_spec(level)  # the layer route's own resolver: zoo variants use convert
+        return variant
+    except ValueError:
+        pass
     valid = [FP, CHECKPOINT, *LEVELS, *(f"{lv}{LAYERS_SUFFIX}" for lv in LEVELS)]
     raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(valid)}")
 

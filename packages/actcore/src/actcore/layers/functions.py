@@ -1,7 +1,7 @@
 """Autograd functions of the Q-layers.
 
 Each forward computes exactly what the torch layer computes (the same aten op), saves
-through :func:`actcore.engine.stash` (which compresses per the layer's level), and each
+through :func:`actcore.stash.stash` (which compresses per the layer's level), and each
 backward calls the public aten backward op of that layer on the restored tensors.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from .. import ops
 from ..compressors import Compressor
-from ..engine import (
+from ..stash import (
     CONV,
     IDENTITY,
     NORM,
@@ -647,7 +647,7 @@ class MaskedActivationFunction(torch.autograd.Function):
 
 
 def note_dropout_output(out: torch.Tensor) -> torch.Tensor:
-    """After ``apply`` of :class:`DropoutFunction`: see :func:`actcore.engine.note_output`."""
+    """After ``apply`` of :class:`DropoutFunction`: see :func:`actcore.stash.note_output`."""
     return note_output(out)
 
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import _ntuple
 
-from ..engine import layer_spec, needs_saving, note_output
 from ..loss import note_linear_output
 from ..op_mode import call_outside_modes
+from ..stash import layer_spec, needs_saving, note_output
 from .functions import (
     AvgPoolFunction,
     BatchNormFunction,

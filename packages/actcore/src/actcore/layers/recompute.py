@@ -15,7 +15,7 @@ The forward is the module's (or functional's) own, once, so the output is bitwis
 same. Backward rebuilds the input and differentiates that same forward again: whatever
 formula it computes, the gradient is its exact gradient at the restored input, for the
 cost of one more (cheap) forward. The output is recorded as derived from the kept input
-(:func:`actcore.engine.derive`): the next layer, which saves it, stores nothing of its own.
+(:func:`actcore.stash.derive`): the next layer, which saves it, stores nothing of its own.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..compressors import IDENTITY
-from ..engine import (
+from ..forward_state import forward_state, plain_saves, replayed
+from ..stash import (
     ACTIVATION,
     ROW_NORM,
     choose,
@@ -39,7 +40,6 @@ from ..engine import (
     stash,
     unstash,
 )
-from ..forward_state import forward_state, plain_saves, replayed
 
 __all__ = [
     "RecomputeFunction",

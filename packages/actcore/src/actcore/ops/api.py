@@ -10,7 +10,7 @@ from . import library
 from .noise import MASK32, SEED_LIMIT, mix32
 from .packed import Packed
 
-# the ops' checked API, re-exported by actcore.ops; the check_* validators serve the engines
+# the ops' checked API, re-exported by actcore.ops; the check_* validators serve the compressors and policies
 __all__ = [
     "FLOAT_DTYPES",
     "apply_mask",

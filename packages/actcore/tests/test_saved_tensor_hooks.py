@@ -10,7 +10,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from actcore import memory
-from actcore.hooks import SavedTensorCompressor, _Handle, compress_saved_tensors
+from actcore.saved_handles import Handle
+from actcore.saved_tensor_hooks import SavedTensorCompressor, compress_saved_tensors
 
 
 def _encoder(d: int, heads: int, ffn: int, layers: int) -> nn.Module:
@@ -74,37 +75,37 @@ def test_eight_bit_gradients_cosine() -> None:
 
 def test_what_passes_through_and_what_is_packed() -> None:
     lin = nn.Linear(64, 64)
-    engine = SavedTensorCompressor(2, model=lin, min_numel=256)
+    hooks = SavedTensorCompressor(2, model=lin, min_numel=256)
     weight_view = lin.weight.t()
-    h = engine.pack(weight_view)  # linear saves weight.t(): a view of a parameter
+    h = hooks.pack(weight_view)  # linear saves weight.t(): a view of a parameter
     assert h.tensor is not None and h.stored is None
-    assert engine.pack(torch.randint(0, 9, (1000,))).tensor is not None  # integers
-    assert engine.pack(torch.randn(100)).tensor is not None  # small
+    assert hooks.pack(torch.randint(0, 9, (1000,))).tensor is not None  # integers
+    assert hooks.pack(torch.randn(100)).tensor is not None  # small
     buf = lin.weight.detach()  # same storage as a parameter, not a Parameter object
-    assert engine.pack(buf).tensor is not None
+    assert hooks.pack(buf).tensor is not None
     mask = torch.rand(4096) > 0.5
-    hm = engine.pack(mask)
+    hm = hooks.pack(mask)
     assert hm.stored is not None and sum(t.nbytes for t in hm.stored.tensors) == 4096 // 8
-    assert torch.equal(engine.unpack(hm), mask)
+    assert torch.equal(hooks.unpack(hm), mask)
     act = torch.randn(32, 64)
-    ha = engine.pack(act)
+    ha = hooks.pack(act)
     assert ha.stored is not None
     packed_bytes = sum(t.nbytes for t in ha.stored.tensors)
     assert packed_bytes < act.nbytes / 8
-    back = engine.unpack(ha)
+    back = hooks.unpack(ha)
     assert back.dtype == act.dtype and back.shape == act.shape
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_views_restore_shape_strides_and_values(dtype: torch.dtype) -> None:
-    engine = SavedTensorCompressor(8, min_numel=1)
+    hooks = SavedTensorCompressor(8, min_numel=1)
     base = torch.randn(16, 32, 8).to(dtype)
     bcast = torch.randn(16, 1, 8).to(dtype).expand(16, 5, 8)
     gappy = base[:, ::2]  # not dense: restored contiguous, same values
     for view in (base, base.transpose(0, 1), base.permute(2, 0, 1), bcast, gappy):
-        h = engine.pack(view)
-        assert isinstance(h, _Handle) and h.stored is not None
-        out = engine.unpack(h)
+        h = hooks.pack(view)
+        assert isinstance(h, Handle) and h.stored is not None
+        out = hooks.unpack(h)
         assert out.dtype == view.dtype and out.shape == view.shape
         if view is not gappy:
             assert out.stride() == view.stride()
@@ -113,14 +114,14 @@ def test_views_restore_shape_strides_and_values(dtype: torch.dtype) -> None:
 
 
 def test_same_storage_saved_twice_is_stored_once() -> None:
-    engine = SavedTensorCompressor(4, min_numel=1)
+    hooks = SavedTensorCompressor(4, min_numel=1)
     x = torch.randn(64, 64)
-    a, b, c = engine.pack(x), engine.pack(x), engine.pack(x.t())
+    a, b, c = hooks.pack(x), hooks.pack(x), hooks.pack(x.t())
     assert a.stored is b.stored is c.stored
     y = x.clone()
-    assert engine.pack(y).stored is not a.stored
+    assert hooks.pack(y).stored is not a.stored
     x.add_(1)  # a new version of x is new data
-    assert engine.pack(x).stored is not a.stored
+    assert hooks.pack(x).stored is not a.stored
     # through autograd: x * x saves x twice, counted once by memory accounting
     w = torch.randn(64, 64, requires_grad=True)
     with compress_saved_tensors(4, min_numel=1), memory.track() as once:
@@ -218,11 +219,11 @@ def test_checkpoint_innermost_hooks_win() -> None:
         checkpoint(model, x, use_reentrant=False).sum().backward()  # sum saves nothing
 
     plain = _grads(model, step)
-    engine = compress_saved_tensors(8, model=model, min_numel=1)
+    hooks = compress_saved_tensors(8, model=model, min_numel=1)
     seen: list[torch.Size] = []
-    pack = engine.pack
-    engine.pack = lambda t: (seen.append(t.shape), pack(t))[1]  # type: ignore[method-assign]
-    with engine:
+    pack = hooks.pack
+    hooks.pack = lambda t: (seen.append(t.shape), pack(t))[1]  # type: ignore[method-assign]
+    with hooks:
         hooked = _grads(model, step)
     assert seen == [x.shape]  # only the checkpoint's input went through our hooks
     assert grad_cosine(plain, hooked) >= 0.99

@@ -1,0 +1,49 @@
+"""Compressors: turn a tensor saved for backward into a few compact tensors and back.
+
+A compressor's ``pack(x)`` returns ``(tensors, meta)``: the tensors go through
+``ctx.save_for_backward`` (so autograd's in-place checks, saved-tensor hooks and memory
+accounting all see them), ``meta`` is small Python data. ``unpack(tensors, meta)`` rebuilds
+the tensor. Both routes (Q-layers and saved-tensor hooks) use these same objects; each
+lives in a module of its own:
+
+* :mod:`~actcore.compressors.base`: the protocol (:class:`Compressor`) and ``IDENTITY``;
+* :mod:`~actcore.compressors.quantize`: :class:`Quantize`, per-group k-bit quantization;
+* :mod:`~actcore.compressors.seeded_quantize`: :class:`SeededQuantize`, with a fixed seed;
+* :mod:`~actcore.compressors.per_sample_quantize`: :class:`PerSampleQuantize`, bits per
+  sample (and :func:`sample_range_weights`, which ranks the samples);
+* :mod:`~actcore.compressors.mask_bits`: :class:`MaskBits`, a bool tensor at 1 bit;
+* :mod:`~actcore.compressors.zero_value`: :class:`ZeroValue`, a mask and the nonzeros;
+* :mod:`~actcore.compressors.derived`: :class:`Derived`, rebuilt from other packings;
+* :mod:`~actcore.compressors.swap`: :class:`Swap`, to pinned CPU memory and back
+  (:class:`PrefetchQueue`);
+* :mod:`~actcore.compressors.recorded`: :class:`Recorded`, records what it packs for an
+  adaptive policy's estimate.
+"""
+
+from __future__ import annotations
+
+from .base import IDENTITY, Compressor, Tensors
+from .derived import Derived
+from .mask_bits import MaskBits
+from .per_sample_quantize import PerSampleQuantize, sample_range_weights
+from .quantize import Quantize
+from .recorded import Recorded
+from .seeded_quantize import SeededQuantize
+from .swap import PrefetchQueue, Swap
+from .zero_value import ZeroValue
+
+__all__ = [
+    "IDENTITY",
+    "Compressor",
+    "Derived",
+    "MaskBits",
+    "PerSampleQuantize",
+    "PrefetchQueue",
+    "Quantize",
+    "Recorded",
+    "SeededQuantize",
+    "Swap",
+    "Tensors",
+    "ZeroValue",
+    "sample_range_weights",
+]

@@ -1,0 +1,37 @@
+"""The compressor protocol, and the identity compressor that keeps a tensor as it is.
+
+A compressor's ``pack(x)`` returns ``(tensors, meta)``: the tensors go through
+``ctx.save_for_backward`` (so autograd's in-place checks, saved-tensor hooks and memory
+accounting all see them), ``meta`` is small Python data. ``unpack(tensors, meta)`` rebuilds
+the tensor. Both routes (Q-layers and saved-tensor hooks) use the same objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["IDENTITY", "Compressor", "Tensors"]
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+class Compressor:
+    """Base class: identity (keeps the tensor itself)."""
+
+    name = "identity"
+    lossy = False  # whether unpack(pack(x)) may differ from x
+
+    def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
+        return (x,), None
+
+    def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
+        return tensors[0]
+
+    def key(self) -> tuple:
+        """Identifies the result of ``pack``: equal keys pack a tensor identically."""
+        return (self.name,)
+
+
+IDENTITY = Compressor()

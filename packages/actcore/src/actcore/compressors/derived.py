@@ -1,0 +1,43 @@
+"""``Derived``: a tensor rebuilt in backward from packings that others hold anyway."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .base import Compressor, Tensors
+
+__all__ = ["Derived"]
+
+
+@dataclass(frozen=True, eq=False)
+class Derived(Compressor):
+    """A tensor rebuilt from other packings: ``fn(*restored parts)``.
+
+    The parts are packings held anyway by whoever saved them (a norm's compressed input, an
+    activation's input, the operands of a product, a dropout's mask), so keeping a tensor
+    this way costs nothing: a normalization's output, an activation's output, a gated
+    product, a dropout output. ``pack`` is not used (:func:`actcore.stash.packing_of`
+    builds the tensors, the parts' tensors one after the other, and the meta, the parts'
+    metas and tensor counts). Approximate like its parts: never for what must stay exact.
+    """
+
+    fn: Callable[..., torch.Tensor]
+    parts: tuple[Compressor | None, ...]  # None: a None argument of fn
+    name = "derived"
+    lossy = True
+
+    def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
+        metas, counts = meta
+        restored, i = [], 0
+        for comp, part_meta, n in zip(self.parts, metas, counts, strict=True):
+            restored.append(None if comp is None else comp.unpack(tensors[i : i + n], part_meta))
+            i += n
+        with torch.no_grad():
+            return self.fn(*restored)
+
+    def key(self) -> tuple:
+        return (self.name, id(self.fn), *(c and c.key() for c in self.parts))

@@ -1,0 +1,41 @@
+"""``Quantize``: per-group stochastic k-bit quantization of a saved tensor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import ops
+from .base import Compressor, Tensors
+
+__all__ = ["Quantize"]
+
+
+@dataclass(frozen=True)
+class Quantize(Compressor):
+    """Per-group stochastic k-bit quantization (:func:`actcore.ops.quantize`)."""
+
+    bits: int
+    group_size: int = 256
+    per_sample: bool = True
+    stochastic: bool = True
+    name = "quantize"
+    lossy = True
+
+    def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
+        p = ops.quantize(
+            x,
+            self.bits,
+            group_size=self.group_size,
+            stochastic=self.stochastic,
+            per_sample=self.per_sample,
+        )
+        return p.tensors(), (p.shape, p.dtype, p.bits, p.group_size, p.per_sample)
+
+    def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
+        return ops.dequantize(ops.Packed(*tensors, *meta))
+
+    def key(self) -> tuple:
+        return (self.name, self.bits, self.group_size, self.per_sample, self.stochastic)

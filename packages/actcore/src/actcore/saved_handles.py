@@ -1,0 +1,171 @@
+"""What the saved-tensor hooks give autograd for one saved tensor, and how it comes back.
+
+A :class:`Handle` holds either the tensor itself (kept as it is) or a :class:`Stored`
+packing shared by every handle on the same storage, with the permutation, expansion and
+view that rebuild the saved tensor's own layout from it. :meth:`Handle.restore` repeats
+autograd's version check (saved-tensor hooks switch it off), so an in-place change of a
+saved tensor that is still alive at backward raises autograd's usual error. Also here:
+how the hooks tell a parameter from an activation (:func:`is_param_like`) and the layout
+a tensor is packed in (:func:`canonical`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import ops
+from .compressors import Compressor
+
+__all__ = ["INPLACE_MSG", "Handle", "Stored", "canonical", "is_param_like", "storage_ptr"]
+
+INPLACE_MSG = (
+    "one of the variables needed for gradient computation has been modified by an inplace "
+    "operation: [{kind} {shape}] is at version {now}; expected version {then} instead. (Seen "
+    "by actcore's saved-tensor compression hooks; enable anomaly detection with "
+    "torch.autograd.set_detect_anomaly(True) to find the operation that modified it.)"
+)
+
+
+class Stored:
+    """Compressed data of one storage region, shared by every handle that saved it."""
+
+    __slots__ = ("__weakref__", "compressor", "mask", "meta", "tensors")
+
+    def __init__(self, compressor: Compressor, tensors: tuple, meta: Any, mask: Tensor | None):
+        self.compressor = compressor
+        self.tensors = tensors
+        self.meta = meta
+        self.mask = mask  # packed nonzero mask of a ReLU output, else None
+
+    def restore(self, shape: torch.Size) -> Tensor:
+        out = self.compressor.unpack(self.tensors, self.meta)
+        if self.mask is not None:
+            keep = ops.unpack_mask(self.mask, shape)
+            tiny = torch.finfo(out.dtype).tiny
+            out = torch.where(keep, out.clamp_min(tiny), out.new_zeros(()))
+        return out
+
+
+def _check_version(t: Tensor, version: int) -> None:
+    if t._version != version:
+        raise RuntimeError(
+            INPLACE_MSG.format(kind=t.type(), shape=list(t.shape), now=t._version, then=version)
+        )
+
+
+class Handle:
+    """What autograd holds for one saved tensor."""
+
+    __slots__ = (
+        "expand",
+        "inv_perm",
+        "perm_shape",
+        "ref",
+        "stored",
+        "tensor",
+        "version",
+        "view",
+    )
+
+    def __init__(self) -> None:
+        self.tensor: Tensor | None = None  # kept as is (pass-through)
+        self.stored: Stored | None = None
+        self.perm_shape: torch.Size | None = None
+        self.inv_perm: tuple[int, ...] | None = None
+        self.expand: torch.Size | None = None
+        self.view: tuple | None = None  # (size, stride, offset) into a restored base
+        self.ref: weakref.ref | None = None
+        self.version = 0
+
+    @classmethod
+    def kept(cls, t: Tensor) -> Handle:
+        """A handle keeping ``t`` as it is (a tensor outside the graph as the very object:
+        a Q-layer's packed tensors must stay the objects the stash's records refer to)."""
+        h = cls()
+        h.tensor = t.detach() if t.requires_grad else t
+        h.version = t._version
+        return h
+
+    @classmethod
+    def packed(
+        cls,
+        t: Tensor,
+        perm_shape: torch.Size,
+        inv_perm: tuple[int, ...],
+        expand: torch.Size | None = None,
+        view: tuple | None = None,
+    ) -> Handle:
+        """A handle on a packing of ``t`` (its :attr:`stored` set by the caller): the
+        restored data has ``perm_shape``, is permuted by ``inv_perm``, expanded to
+        ``expand`` and viewed as ``view`` (when given); ``t``'s version is checked."""
+        h = cls()
+        h.perm_shape, h.inv_perm, h.expand, h.view = perm_shape, inv_perm, expand, view
+        h.version = t._version
+        try:
+            h.ref = weakref.ref(t)
+        except TypeError:
+            h.ref = None
+        return h
+
+    def restore(self) -> Tensor:
+        """The saved tensor, rebuilt; RuntimeError if it was changed in place since."""
+        if self.tensor is not None:
+            _check_version(self.tensor, self.version)
+            return self.tensor
+        if self.ref is not None:
+            src = self.ref()
+            if src is not None:
+                _check_version(src, self.version)
+        assert self.stored is not None and self.perm_shape is not None
+        assert self.inv_perm is not None
+        with torch.no_grad():
+            out = self.stored.restore(self.perm_shape).view(self.perm_shape).permute(self.inv_perm)
+            if self.expand is not None:
+                out = out.expand(self.expand)
+            if self.view is not None:
+                out = out.as_strided(*self.view)
+        return out
+
+
+def canonical(t: Tensor) -> tuple[Tensor, tuple[int, ...], torch.Size | None]:
+    """``t`` without expanded dims, permuted into memory order; inverse perm; expand shape."""
+    c = t
+    expanded = False
+    for d in range(t.dim()):
+        if t.stride(d) == 0 and t.size(d) > 1:
+            c = c.narrow(d, 0, 1)
+            expanded = True
+    perm = sorted(range(c.dim()), key=lambda d: (-c.stride(d), d))
+    inv = [0] * len(perm)
+    for i, d in enumerate(perm):
+        inv[d] = i
+    return c.permute(perm), tuple(inv), (t.shape if expanded else None)
+
+
+def storage_ptr(t: Tensor) -> int:
+    """The address of ``t``'s storage (0 when it has none that can be read)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def is_param_like(t: Tensor, param_ptrs: set[int]) -> bool:
+    """Parameters, buffers, their views and autocast copies are not activations."""
+    if isinstance(t, nn.Parameter):
+        return True
+    base = t._base
+    if isinstance(base, nn.Parameter):
+        return True
+    if param_ptrs and storage_ptr(t) in param_ptrs:
+        return True
+    fn = (base if base is not None else t).grad_fn
+    if fn is not None and type(fn).__name__ == "ToCopyBackward0":
+        nxt = fn.next_functions[0][0] if fn.next_functions else None
+        if isinstance(getattr(nxt, "variable", None), nn.Parameter):
+            return True
+    return False

@@ -1,0 +1,426 @@
+"""The saved-tensor hooks route: compress whatever autograd saves, for any architecture.
+
+``compress_saved_tensors(policy)`` is a context manager over the public
+:class:`torch.autograd.graph.saved_tensors_hooks`; it needs no model::
+
+    with actcore.compress_saved_tensors("L1.2"):
+        loss = f(x).sum()      # saved activations are kept at 2 bits
+    loss.backward()            # restored (dequantized) here
+
+What the pack hook does with each saved tensor:
+
+* parameters and buffers (``nn.Parameter``, views of one such as the ``weight.t()`` that
+  ``linear`` saves, autocast copies of one, and any tensor on a registered model's
+  parameter/buffer storage) are kept as they are;
+* integer tensors, tensors below ``min_numel`` elements and non-strided tensors are kept;
+* ``bool`` tensors (dropout masks, comparisons) are packed losslessly at 1 bit;
+* tensors saved by ops whose backward compares or divides saved values (``amax``,
+  ``maximum``, ``scatter_reduce(reduce="amax")``, inf-norms, ``prod``... see
+  :mod:`actcore.exact_ops`) are kept exact, as quantizing them would give NaN or zero
+  gradients;
+* floating tensors (fp32/fp16/bf16/fp64) go through the policy's compressor (k-bit stochastic
+  quantization, optionally swapped to CPU). The output of a ReLU additionally keeps its
+  nonzero mask at 1 bit, so ReLU's backward sees exactly the same mask (no biased gradient);
+* a storage saved twice (the same tensor, or a permuted/expanded view of it, e.g. ``x`` and
+  ``x.t()``) while unchanged is stored once.
+
+The unpack hook rebuilds a tensor of the same dtype, shape and (for dense or expanded views)
+strides from the :class:`actcore.saved_handles.Handle` the pack hook gave autograd. Because
+hooks switch off autograd's version check, it is repeated there: an in-place change of a
+saved tensor that is still alive at backward raises autograd's usual error.
+
+Nesting: saved-tensor hooks are a stack and the innermost active hooks win. Inside a region
+checkpointed with ``torch.utils.checkpoint`` (non-reentrant), checkpoint's own hooks see every
+saved tensor and recompute it in backward, so nothing there is compressed; what checkpoint
+itself keeps (the region's inputs) goes through these hooks and is compressed, and the
+recomputation starts from the restored inputs. Hooks pushed inside our block likewise take
+over (e.g. ``actcore.memory.track`` then only counts what we report via ``note_saved``).
+
+Not detected: float tensors that happen to hold only 0 and 1 (telling would need a
+data-dependent check, i.e. a device sync per tensor); they are quantized like any other.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import memory, ops, rng, stash
+from .compressors import Compressor, MaskBits, Quantize, SeededQuantize, Swap, ZeroValue
+from .op_mode import DataMarks, OpMode, created_by_attention
+from .pass_stats import PassStats, record_stats
+from .policies import as_policy
+from .saved_handles import Handle, Stored, canonical, is_param_like, storage_ptr
+
+__all__ = [
+    "FLOATS",
+    "PROBABILITY_BITS",
+    "SavedTensorCompressor",
+    "compress_saved_tensors",
+]
+
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_RELU_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
+PROBABILITY_BITS = 4
+"""With ``tailored``: least bits of saved softmax / sigmoid / tanh outputs."""
+# outputs in a bounded range whose op computes its derivative from them: kept at
+# PROBABILITY_BITS at least (a softmax's error enters its backward twice)
+_PROBABILITY_NODES = frozenset(
+    {"SoftmaxBackward0", "SafeSoftmaxBackward0", "SigmoidBackward0", "TanhBackward0"}
+)
+# log-probabilities: backward exponentiates them, so a rounding step becomes a factor
+_EXACT_OUTPUT_NODES = frozenset({"LogSoftmaxBackward0"})
+
+# --------------------------------------------------------------------------------------------
+# The hooks
+# --------------------------------------------------------------------------------------------
+
+
+class SavedTensorCompressor:
+    """Pack/unpack hooks that compress saved tensors as a policy decides.
+
+    Use it as a context manager (``with hooks: ...``); :func:`compress_saved_tensors` builds
+    one. With ``model`` given, parameters/buffers are recognised by storage too (refreshed at
+    every root forward) and each saved tensor gets a key that names the module that saved it
+    (``"encoder.layers.0.linear1#0:1"``: module, call of the module in this forward, index of
+    the save inside that call), so bit plans do not depend on global forward order: running
+    submodules in another order, or skipping one, leaves the other modules' keys unchanged
+    (reordering functional ops inside one module's own ``forward`` renumbers that module's).
+    Saves outside every module are keyed ``"<outside>:i"``, counted from the start of the
+    latest root forward (from the block's entry without a model).
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        *,
+        model: nn.Module | None = None,
+        min_numel: int = 1024,
+        group_size: int = 256,
+        exact_ops: bool = True,
+        tailored: bool = False,
+        router: Any = None,
+        module_keys: bool = True,
+    ) -> None:
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+            raise ValueError(f"min_numel must be an int >= 0, got {min_numel!r}")
+        ops.api.check_group_size(group_size)
+        self.policy = as_policy(policy)
+        self.min_numel = min_numel
+        self.group_size = group_size
+        self.model: nn.Module | None = None
+        self.stats: PassStats | None = None  # set by policies while estimating
+        self.seeds: dict[str, int] | None = None  # fixed rounding seeds while estimating
+        self.stream: Any = None  # an actcore.rng.SeedStream for the rounding seeds, or None
+        self._param_ptrs: set[int] = set()
+        self._dedup: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+        self._prune_at = 4096
+        self._compressors: dict[tuple[int, bool], Compressor] = {}
+        self._module_handles: list[Any] = []
+        self._frames: list[list] = []  # [name, call, local counter]
+        self._calls: dict[str, int] = {}
+        self._global = 0
+        self._local = threading.local()  # per thread: the active hooks and mode, suspensions
+        self.exact_ops = bool(exact_ops)
+        self.tailored = bool(tailored)
+        self.router = router
+        self.module_keys = bool(module_keys)
+        if model is not None:
+            self.attach(model)
+
+    # ---- model bookkeeping ------------------------------------------------------------------
+
+    def attach(self, model: nn.Module) -> None:
+        """Follow ``model``: parameter storages and (with ``module_keys``) module-scoped keys."""
+        self.detach_model()
+        self.model = model
+        self.refresh_params()
+        if not self.module_keys:
+            return
+        for name, module in model.named_modules():
+            self._module_handles.append(module.register_forward_pre_hook(self._make_pre(name)))
+            self._module_handles.append(
+                module.register_forward_hook(self._make_post(name), always_call=True)
+            )
+
+    def detach_model(self) -> None:
+        for h in self._module_handles:
+            h.remove()
+        self._module_handles.clear()
+        self.model = None
+        self._param_ptrs = set()
+
+    def refresh_params(self) -> None:
+        """Re-read the storages of the model's parameters and buffers (after ``.to()``...)."""
+        if self.model is not None:
+            tensors: Iterable[Tensor] = (*self.model.parameters(), *self.model.buffers())
+            self._param_ptrs = {p for p in map(storage_ptr, tensors) if p}
+
+    def _make_pre(self, name: str):
+        def pre(module: nn.Module, args: Any) -> None:
+            if not self._frames:  # a new forward of the root (or of a part of the model)
+                self._calls.clear()
+                self._global = 0  # saves after it (e.g. the loss) count from here
+                self.refresh_params()
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            self._frames.append([name, call, 0])
+
+        return pre
+
+    def _make_post(self, name: str):
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            for i in range(len(self._frames) - 1, -1, -1):
+                if self._frames[i][0] == name:
+                    del self._frames[i:]
+                    break
+
+        return post
+
+    def _next_key(self) -> str:
+        if self._frames:
+            frame = self._frames[-1]
+            frame[2] += 1
+            return f"{frame[0]}#{frame[1]}:{frame[2] - 1}"
+        self._global += 1
+        return f"<outside>:{self._global - 1}"
+
+    # ---- context manager ---------------------------------------------------------------------
+
+    def __enter__(self) -> SavedTensorCompressor:
+        if getattr(self._local, "hooks", None) is not None:
+            raise RuntimeError("these saved-tensor hooks are already active")
+        self._global = 0
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        hooks.__enter__()
+        self._local.hooks = hooks
+        if self.exact_ops or self.router is not None:
+            mode = OpMode(
+                router=self.router,
+                suspended=self.suspended,
+                exact=self.exact_ops,
+                marks=getattr(self._local, "marks", None) if self.tailored else None,
+            )
+            mode.__enter__()
+            self._local.mode = mode
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        mode = getattr(self._local, "mode", None)
+        hooks = getattr(self._local, "hooks", None)
+        self._local.mode = self._local.hooks = None
+        try:
+            if mode is not None:
+                mode.__exit__(*exc)
+        finally:
+            if hooks is not None:
+                hooks.__exit__(*exc)
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are active on this thread."""
+        return getattr(self._local, "hooks", None) is not None
+
+    def suspend(self) -> None:
+        """Keep what is saved from now on as it is (on this thread) until :meth:`resume`."""
+        self._local.suspended = getattr(self._local, "suspended", 0) + 1
+
+    def resume(self) -> None:
+        self._local.suspended = max(0, getattr(self._local, "suspended", 0) - 1)
+
+    def suspended(self) -> bool:
+        return getattr(self._local, "suspended", 0) > 0
+
+    # ---- hooks ------------------------------------------------------------------------------
+
+    def _compressor(self, bits: int, swap: bool) -> Compressor:
+        c = self._compressors.get((bits, swap))
+        if c is None:
+            c = Quantize(bits, self.group_size)
+            if swap:
+                c = Swap(c)
+            self._compressors[(bits, swap)] = c
+        return c
+
+    def _passthrough(self, t: Tensor, note: bool) -> Handle:
+        h = Handle.kept(t)
+        if note:
+            memory.note_saved(h.tensor)
+            if self.tailored and t.is_floating_point():
+                stash.note_kept(t)  # a tensor derived from it may refer to it
+        return h
+
+    def _keeps_exact(self, t: Tensor) -> bool:
+        """What the op now saving needs exact (see :mod:`actcore.op_mode`), and, when
+        ``tailored``, log-probabilities and the float constants a forward makes outside the
+        autograd graph (rotary cos/sin, position biases): anything without history that is
+        not on one of the root forward's inputs."""
+        mode = getattr(self._local, "mode", None)
+        if mode is not None:
+            if mode.depth:  # e.g. amax compares x == result
+                return True
+            if created_by_attention(mode, t, storage_ptr(t)):
+                return True  # sdpa's logsumexp
+        if not self.tailored:
+            return False
+        fn = t.grad_fn
+        if fn is None:
+            if t.requires_grad or not t.is_floating_point():
+                return False
+            marks = getattr(self._local, "marks", None)
+            return marks is not None and t not in marks
+        return type(fn).__name__ in _EXACT_OUTPUT_NODES
+
+    def set_inputs(self, tensors: Iterable[Any]) -> None:
+        """The root forward's tensor inputs on this thread. With ``tailored``, a tensor
+        without autograd history is data when it derives from a floating input (followed
+        through the ops the mode sees), else a constant of the forward, kept exact."""
+        marks = DataMarks()
+        for t in tensors:
+            if isinstance(t, Tensor) and t.is_floating_point():
+                marks.add(t)
+        self._local.marks = marks
+
+    def pack(self, t: Tensor) -> Handle:
+        """The pack hook."""
+        if not isinstance(t, Tensor):
+            return t
+        if t.layout != torch.strided or t.is_nested:  # sparse, nested: kept as they are
+            return self._passthrough(t, note=not is_param_like(t, self._param_ptrs))
+        if is_param_like(t, self._param_ptrs):
+            return self._passthrough(t, note=False)
+        if stash.is_stashed(t):  # a Q-layer packed it already (or needs it exact)
+            return self._passthrough(t, note=True)
+        if self.suspended() or not self.policy.compresses or self._keeps_exact(t):
+            return self._passthrough(t, note=True)
+        small = t.numel() < self.min_numel
+        if small or not (t.dtype in FLOATS or t.dtype == torch.bool) or t.device.type == "meta":
+            return self._passthrough(t, note=True)
+        key = self._next_key()
+        bits = None
+        if t.dtype != torch.bool:
+            bits = self.policy.bits_for(key)
+            if bits is None:
+                return self._passthrough(t, note=True)
+            fn = t.grad_fn
+            if self.tailored and fn is not None and type(fn).__name__ in _PROBABILITY_NODES:
+                bits = max(bits, PROBABILITY_BITS)
+        with torch.no_grad():
+            return self._pack_compressed(t, key, bits)
+
+    def _reuse(self, t: Tensor, earlier: tuple, base: Tensor | None = None) -> Handle:
+        """A handle on an earlier packing of ``t`` (or of ``base``, ``t`` being a view of it:
+        the restored base is viewed as ``t`` again)."""
+        comp, tensors, meta = earlier
+        if base is None:
+            h = Handle.packed(t, t.shape, tuple(range(t.dim())))
+        else:
+            offset = t.storage_offset() - base.storage_offset()
+            view = (tuple(t.shape), tuple(t.stride()), offset)
+            h = Handle.packed(t, base.shape, tuple(range(base.dim())), view=view)
+        h.stored = Stored(comp, tuple(tensors), meta, None)
+        return h
+
+    def _pack_compressed(self, t: Tensor, key: str, bits: int | None) -> Handle:
+        canon, inv, expand = canonical(t)
+        h = Handle.packed(t, canon.shape, inv, expand)
+        dkey = (
+            storage_ptr(canon),
+            canon.storage_offset(),
+            tuple(canon.shape),
+            tuple(canon.stride()),
+            canon.dtype,
+            str(canon.device),
+            t._version,
+        )
+        hit = self._dedup.get(dkey)
+        if hit is not None:
+            src, stored = hit[0](), hit[1]()
+            if src is not None and stored is not None and src._version == t._version:
+                h.stored = stored
+                return h
+        if bits is not None:  # a Q-layer packed this very tensor, or what it views
+            earlier = stash.packing_of(t)
+            if earlier is not None:
+                return self._reuse(t, earlier)
+            base = t._base
+            if base is not None and base.is_contiguous() and base.dtype == t.dtype:
+                earlier = stash.packing_of(base)
+                if earlier is not None:
+                    return self._reuse(t, earlier, base)
+        data = canon.contiguous()
+        plain = expand is None and inv == tuple(range(t.dim()))  # canon is t's own layout
+        mask = None
+        if bits is None:
+            comp: Compressor = MaskBits()
+        else:
+            seeds = self.seeds
+            if seeds is not None:
+                comp = SeededQuantize(bits, self.group_size, seed=seeds.get(key, 0))
+            else:
+                comp = self._compressor(bits, self.policy.swap)
+            known = stash.mask_of(t) if plain else None
+            fn = t.grad_fn
+            if known is not None:  # a ReLU's own 1-bit mask: keep the nonzeros only
+                comp = ZeroValue(known, Quantize(bits, self.group_size, per_sample=False))
+            elif fn is not None and type(fn).__name__ in _RELU_NODES:
+                mask = ops.pack_mask(data != 0)
+        with rng.using(self.stream):
+            tensors, meta = comp.pack(data)
+        stored = Stored(comp, tuple(tensors), meta, mask)
+        h.stored = stored
+        if plain and mask is None and comp.lossy:  # a Q-layer saving t later reuses it
+            stash.remember_packing(t, comp, tuple(tensors), meta)
+        if self.stats is not None and bits is not None:
+            self._record_stats(key, bits, data.numel(), tensors, meta)
+        if h.ref is not None:
+            self._dedup[dkey] = (h.ref, weakref.ref(stored))
+            if len(self._dedup) > self._prune_at:
+                self._prune()
+        memory.note_saved([*stored.tensors, *(() if mask is None else (mask,))])
+        return h
+
+    def _record_stats(self, key: str, bits: int, numel: int, tensors: Any, meta: Any) -> None:
+        assert self.stats is not None
+        record_stats(self.stats, key, bits, numel, tensors, self.group_size)
+
+    def _prune(self) -> None:
+        dead = [k for k, (a, b) in self._dedup.items() if a() is None or b() is None]
+        for k in dead:
+            del self._dedup[k]
+        self._prune_at = max(4096, 2 * len(self._dedup))  # amortised O(1) per save
+
+    def unpack(self, h: Any) -> Tensor:
+        """The unpack hook."""
+        return h.restore() if isinstance(h, Handle) else h
+
+
+def compress_saved_tensors(
+    policy: Any = "L1",
+    *,
+    model: nn.Module | None = None,
+    min_numel: int = 1024,
+    group_size: int = 256,
+    exact_ops: bool = True,
+) -> SavedTensorCompressor:
+    """Compress the tensors autograd saves inside a ``with`` block; no model needed.
+
+    Args:
+        policy: a level name of :data:`actcore.policies.HOOK_LEVELS` (``"L0"`` .. ``"L3"``),
+            a number of bits (1..8), or a :class:`actcore.policies.Policy`.
+        model: optional; its parameters/buffers are recognised by storage and keys name
+            modules (adaptive policies need :class:`actcore.Controller` to adapt).
+        min_numel: tensors with fewer elements are kept as they are.
+        group_size: quantization group size (a positive multiple of 8).
+        exact_ops: keep the tensors saved by ops that compare or divide saved values exact
+            (see :mod:`actcore.exact_ops`); ``False`` quantizes them too (their gradients
+            are then wrong: only for measuring what that costs).
+    """
+    return SavedTensorCompressor(
+        policy, model=model, min_numel=min_numel, group_size=group_size, exact_ops=exact_ops
+    )

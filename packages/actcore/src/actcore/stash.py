@@ -1,0 +1,446 @@
+"""The save/restore mechanism every Q-layer uses for the tensors it keeps for backward.
+
+``stash(ctx, layer, [(x, role), ...])`` chooses a compressor for each tensor from the
+layer's level (see :mod:`actcore.config`), packs it, and saves the packed tensors with
+``ctx.save_for_backward``; ``unstash(ctx)`` rebuilds them in backward. Two tensors that are
+the same data (same object, unchanged since) packed the same way are packed once, and a
+ReLU output saved by the next layer reuses the ReLU's own 1-bit mask at levels with
+``zero_value`` (its zeros are exactly the mask's).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .compressors import IDENTITY, Compressor, Derived, Quantize, Swap, Tensors, ZeroValue
+from .config import LevelSpec, config, level_spec
+
+__all__ = [
+    "ACTIVATION",
+    "CONV",
+    "EXPANSION",
+    "NARROW_BITS",
+    "NORM",
+    "NORMALIZED",
+    "OTHER",
+    "ROW_NORM",
+    "Part",
+    "choose",
+    "derive",
+    "derive_from",
+    "derive_output",
+    "in_checkpoint",
+    "is_stashed",
+    "layer_spec",
+    "mask_of",
+    "needs_saving",
+    "note_kept",
+    "note_mask",
+    "note_output",
+    "observe",
+    "packing_of",
+    "records",
+    "remember_packing",
+    "role_bits",
+    "source_part",
+    "stash",
+    "unstash",
+]
+
+CONV = "conv"  # inputs of conv / linear layers
+NORM = "norm"  # inputs of normalization layers
+ROW_NORM = "row_norm"  # inputs of layer / group / RMS norms, F.normalize's unit vectors
+ACTIVATION = "activation"  # inputs of smooth activations (their outputs derive from them)
+OTHER = "other"  # anything else the forward saves (the saved-tensor hooks' tensors)
+NORMALIZED = ROW_NORM  # (the unit vectors of F.normalize are kept as row-norm inputs)
+
+
+EXPANSION = 8
+"""A linear whose output is at least this many times wider than its input (LoRA's
+``lora_B``, a bottleneck adapter's up-projection) keeps its input at :data:`NARROW_BITS`
+at least: such an input costs little next to the tensors around it, and its weight
+gradient sums few features per token, so rounding noise averages out far less than in a
+square layer's."""
+NARROW_BITS = 8
+
+
+def _expands(layer: Any) -> bool:
+    fan_in, fan_out = getattr(layer, "in_features", 0), getattr(layer, "out_features", 0)
+    return isinstance(fan_in, int) and fan_in > 0 and fan_out >= EXPANSION * fan_in
+
+
+def role_bits(spec: LevelSpec, role: str) -> int | None:
+    """The bits ``spec`` gives a tensor of ``role`` (None: kept as it is)."""
+    if role == CONV:
+        return spec.conv_bits
+    if role == NORM:
+        return spec.norm_bits
+    if role == ROW_NORM:
+        return spec.row_norm_bits
+    if role == ACTIVATION:
+        return spec.activation_bits
+    if role == OTHER:
+        return spec.other_bits
+    raise ValueError(f"unknown role {role!r}")
+
+
+class _TensorTable:
+    """Per-tensor records that vanish with the tensor and go stale when it is modified."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[weakref.ref, int, dict]] = {}
+
+    def _drop(self, key: int) -> None:
+        self._items.pop(key, None)
+
+    def get(self, x: torch.Tensor) -> dict | None:
+        item = self._items.get(id(x))
+        if item is None or item[0]() is not x or item[1] != x._version:
+            return None
+        return item[2]
+
+    def setdefault(self, x: torch.Tensor) -> dict:
+        found = self.get(x)
+        if found is not None:
+            return found
+        key = id(x)
+        ref = weakref.ref(x, lambda _ref, key=key: self._drop(key))
+        record: dict = {}
+        self._items[key] = (ref, x._version, record)
+        return record
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_records = _TensorTable()
+
+
+def records() -> _TensorTable:
+    """The per-tensor records (packings, masks, what a tensor derives from)."""
+    return _records
+
+
+def note_mask(output: torch.Tensor, packed_mask: torch.Tensor) -> None:
+    """Record that ``output``'s nonzeros are exactly ``packed_mask`` (a ReLU's own mask)."""
+    _records.setdefault(output)["mask"] = packed_mask
+
+
+def layer_spec(layer: Any) -> LevelSpec:
+    level = getattr(layer, "act_level", None)
+    return level_spec(level if level is not None else config.level)
+
+
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
+
+
+def in_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are ``torch.utils.checkpoint``'s
+    (non-reentrant): what is saved now is dropped and recomputed in backward anyway."""
+    if _TOP_HOOKS is None or torch.compiler.is_compiling():
+        return False  # (Dynamo cannot trace the accessor; checkpoint under compile differs)
+    try:
+        top = _TOP_HOOKS(True)
+    except TypeError:  # a build whose accessor takes no argument
+        top = _TOP_HOOKS()
+    if top is None:
+        return False
+    pack = top[0]
+    return getattr(pack, "__module__", "") == "torch.utils.checkpoint" and getattr(
+        pack, "__qualname__", ""
+    ).startswith(_CHECKPOINT_HOOKS)
+
+
+def choose(layer: Any, role: str, x: torch.Tensor) -> Compressor:
+    """The compressor for tensor ``x`` that ``layer`` saves in ``role``.
+
+    A layer's ``act_scheme`` (e.g. :class:`actcore.adaptive.AdaptiveBits`), when set, is
+    asked first through ``scheme.compressor(layer, role, x, bits, mask)`` (``bits``: the
+    level's bits for the role, ``mask``: the ReLU mask for zero-value storage or None); it
+    returns a compressor, or None for the level's default.
+
+    Inside a region checkpointed by ``torch.utils.checkpoint`` (non-reentrant) it is the
+    identity: checkpoint drops what is saved there and recomputes it in backward, so
+    compressing would only cost time, and the recomputation must save tensors of the same
+    shapes as the forward did (a ReLU-mask or adaptive-bits decision could differ). A
+    linear marked ``act_feeds_loss`` (a language model's head, see :mod:`actcore.loss`)
+    keeps its input as it is: the loss holds that very tensor, so it costs nothing more.
+    """
+    spec = layer_spec(layer)
+    if in_checkpoint():
+        return IDENTITY
+    if role == CONV and getattr(layer, "act_feeds_loss", False):
+        return IDENTITY  # a loss head: the loss keeps this very input (actcore.loss)
+    bits = role_bits(spec, role)
+    if bits is not None and role == CONV and _expands(layer):
+        bits = max(bits, NARROW_BITS)  # a low-rank input (LoRA's B): cheap, so kept finer
+    if bits is None or x.numel() < config.min_numel or not x.is_floating_point():
+        base: Compressor = IDENTITY
+    else:
+        record = _records.get(x) if spec.zero_value else None
+        mask = record.get("mask") if record is not None else None
+        scheme = getattr(layer, "act_scheme", None)
+        chosen = None if scheme is None else scheme.compressor(layer, role, x, bits, mask)
+        if chosen is not None:
+            base = chosen
+        elif mask is not None:
+            base = ZeroValue(mask, Quantize(bits, config.group_size, per_sample=False))
+        else:
+            base = Quantize(bits, config.group_size, stochastic=config.stochastic)
+    return Swap(base) if spec.swap else base
+
+
+def observe(
+    ctx: Any,
+    grad: torch.Tensor,
+    kernel: int = 1,
+    channel_dim: int = 1,
+    norm: bool = False,
+    restored: torch.Tensor | None = None,
+) -> None:
+    """Hand a layer's output gradient to its ``act_scheme`` (for gradient statistics).
+
+    ``kernel``: weights each input element meets per output position (a convolution's
+    kernel size, else 1); ``channel_dim``: the output channel dim (-1 for linear layers);
+    ``norm``: a normalization layer (its weight gradient is ``sum(grad * x_hat)``);
+    ``restored``: a linear layer's input as restored for backward.
+    """
+    layer = getattr(ctx, "act_layer", None)
+    scheme = getattr(layer, "act_scheme", None)
+    if scheme is not None and hasattr(scheme, "observe"):
+        scheme.observe(layer, grad, kernel, channel_dim, norm, restored)
+
+
+def stash(
+    ctx: Any, layer: Any, items: Sequence[tuple[torch.Tensor | None, str | Compressor]]
+) -> list[Part | None]:
+    """Pack and save ``items`` (tensor, role or compressor) on ``ctx`` for :func:`unstash`;
+    returns each item's packing (None for a None item)."""
+    tensors: list[torch.Tensor] = []
+    plan: list[tuple[int, Compressor | None, Any]] = []
+    parts: list[Part | None] = []
+    for x, how in items:
+        if x is None:
+            plan.append((0, None, None))
+            parts.append(None)
+            continue
+        comp = how if isinstance(how, Compressor) else choose(layer, how, x)
+        comp, packed, meta = _pack_once(comp, x)
+        plan.append((len(packed), comp, meta))
+        parts.append((comp, tuple(packed), meta))
+        tensors.extend(packed)
+    for t in tensors:  # saved-tensor hooks must keep these as they are: see is_stashed
+        _records.setdefault(t)["stashed"] = True
+    ctx.save_for_backward(*tensors)
+    ctx.act_plan = plan
+    ctx.act_layer = layer
+    return parts
+
+
+def derive_output(ctx: Any, fn: Any, parts: Sequence[Part | None]) -> None:
+    """In an autograd function's forward: its output is ``fn(*restored parts)`` (None parts
+    stand for None arguments); recorded on the output by :func:`note_output` once ``apply``
+    has returned it."""
+    ctx.act_derive = (fn, tuple(parts))
+
+
+def note_output(out: Any) -> Any:
+    """After ``apply``: record what ``out`` derives from (see :func:`derive_output`)."""
+    node = getattr(out, "grad_fn", None)
+    found = getattr(node, "act_derive", None)
+    if found is not None:
+        node.act_derive = None
+        derive(out, *found)
+    return out
+
+
+def is_stashed(t: torch.Tensor) -> bool:
+    """Whether ``t`` (unchanged since) was saved by a Q-layer through :func:`stash`.
+
+    Such a tensor is already packed at the layer's level, or must stay exact (weights,
+    normalization statistics, masks): the hooks route passes it through untouched.
+    """
+    record = _records.get(t)
+    return record is not None and record.get("stashed", False)
+
+
+def _pack_once(comp: Compressor, x: torch.Tensor) -> tuple[Compressor, Tensors, Any]:
+    """Pack ``x``, or reuse a packing of the same unchanged tensor that is still held.
+
+    A packing with the same compressor key is reused first, else the first lossy packing
+    that either route (Q-layers or the saved-tensor hooks) made of ``x``: a tensor two ops
+    keep is stored once. Returns the compressor that unpacks the result (``comp``, or the
+    earlier one).
+    """
+    if comp is IDENTITY:
+        tensors, meta = comp.pack(x)
+        return comp, tensors, meta
+    record = _records.setdefault(x)
+    earlier = _live(record.get(comp.key()))
+    if earlier is None and comp.lossy:
+        earlier = _live(record.get(_FIRST))
+        if earlier is None:
+            earlier = _derived(record)
+    if earlier is not None:
+        return earlier
+    tensors, meta = comp.pack(x)
+    remember_packing(x, comp, tensors, meta, record)
+    return comp, tensors, meta
+
+
+_FIRST = "first lossy packing"
+_DERIVED = "derived from"
+_KEPT = "kept as it is"
+
+
+def _live(entry: Any) -> tuple[Compressor, Tensors, Any] | None:
+    if entry is None:
+        return None
+    comp, refs, meta = entry
+    tensors = tuple(ref() for ref in refs)
+    if any(t is None for t in tensors):
+        return None
+    return comp, tensors, meta
+
+
+def remember_packing(
+    x: torch.Tensor, comp: Compressor, tensors: Tensors, meta: Any, record: dict | None = None
+) -> None:
+    """Record that ``x`` (unchanged since) was packed by ``comp`` into ``tensors``.
+
+    Held weakly (never extends their life). Later saves of ``x`` reuse it: through
+    :func:`stash` (the same compressor, or any lossy one) and through the saved-tensor
+    hooks (:func:`packing_of`).
+    """
+    if record is None:
+        record = _records.setdefault(x)
+    entry = (comp, tuple(weakref.ref(t) for t in tensors), meta)
+    record[comp.key()] = entry
+    if comp.lossy and _live(record.get(_FIRST)) is None:
+        record[_FIRST] = entry
+
+
+Part = tuple[Compressor, Tensors, Any]
+"""A packing: the compressor, its tensors, its meta (``comp.unpack(tensors, meta)``)."""
+
+
+def packing_of(x: torch.Tensor) -> Part | None:
+    """A lossy packing of ``x`` (unchanged since) still held: its own first one, else a
+    :class:`~actcore.compressors.Derived` one (``x`` rebuilt from the packings it was made
+    from, see :func:`derive`); None if neither."""
+    record = _records.get(x)
+    if record is None:
+        return None
+    found = _live(record.get(_FIRST))
+    return found if found is not None else _derived(record)
+
+
+def source_part(x: torch.Tensor) -> Part | None:
+    """How ``x`` can be restored in backward, if it can: a packing of it, or ``x`` itself
+    when it is held exact anyway (parameters, buffers, tensors a save kept as they are)."""
+    found = packing_of(x)
+    if found is not None:
+        return found
+    record = _records.get(x)
+    if isinstance(x, torch.nn.Parameter) or (record is not None and record.get(_KEPT)):
+        return IDENTITY, (x,), None
+    return None
+
+
+def note_kept(x: torch.Tensor) -> None:
+    """Record that a save keeps ``x`` as it is (so a derived tensor may refer to it)."""
+    _records.setdefault(x)[_KEPT] = True
+
+
+def derive(out: torch.Tensor, fn: Any, parts: Sequence[Part | None]) -> None:
+    """Record that ``out`` is ``fn(*restored parts)`` (a None part is passed as None; parts
+    are held weakly: this never extends their life).
+
+    A later save of ``out`` (a Q-layer's stash, the saved-tensor hooks) keeps a reference to
+    these packings instead of a copy of its own: normalization and activation outputs,
+    products of saved operands, dropout outputs cost no memory of their own.
+    """
+    entry = (
+        fn,
+        tuple(
+            None if part is None else (part[0], tuple(weakref.ref(t) for t in part[1]), part[2])
+            for part in parts
+        ),
+    )
+    _records.setdefault(out)[_DERIVED] = entry
+
+
+def derive_from(out: torch.Tensor, fn: Any, sources: Sequence[Any]) -> bool:
+    """:func:`derive` ``out = fn(*sources)`` if every tensor source can be restored (non-tensor
+    sources are constants); returns whether it could."""
+    parts: list[Part] = []
+    constants: list[Any] = []
+    for src in sources:
+        if isinstance(src, torch.Tensor):
+            part = source_part(src)
+            if part is None:
+                return False
+            parts.append(part)
+            constants.append(None)
+        else:
+            constants.append(src)
+    if all(c is None for c in constants):
+        derive(out, fn, parts)
+        return True
+
+    def with_constants(*restored: torch.Tensor, _fn=fn, _constants=tuple(constants)):
+        it = iter(restored)
+        return _fn(*(next(it) if c is None else c for c in _constants))
+
+    derive(out, with_constants, parts)
+    return True
+
+
+def _derived(record: dict) -> Part | None:
+    entry = record.get(_DERIVED)
+    if entry is None:
+        return None
+    fn, parts = entry
+    comps, tensors, metas, counts = [], [], [], []
+    for part in parts:
+        if part is None:
+            comps.append(None)
+            metas.append(None)
+            counts.append(0)
+            continue
+        comp, refs, meta = part
+        held = tuple(ref() for ref in refs)
+        if any(t is None for t in held):
+            return None
+        comps.append(comp)
+        tensors.extend(held)
+        metas.append(meta)
+        counts.append(len(held))
+    return Derived(fn, tuple(comps)), tuple(tensors), (tuple(metas), tuple(counts))
+
+
+def mask_of(x: torch.Tensor) -> torch.Tensor | None:
+    """The packed 1-bit mask of ``x``'s nonzeros recorded by :func:`note_mask`, if any."""
+    record = _records.get(x)
+    return None if record is None else record.get("mask")
+
+
+def unstash(ctx: Any) -> list[torch.Tensor | None]:
+    """The tensors :func:`stash` saved, rebuilt (decompressed) in order."""
+    saved = ctx.saved_tensors
+    out: list[torch.Tensor | None] = []
+    i = 0
+    for n, comp, meta in ctx.act_plan:
+        out.append(None if comp is None else comp.unpack(tuple(saved[i : i + n]), meta))
+        i += n
+    return out
+
+
+def needs_saving(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will need a backward for these inputs (else skip all compression)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

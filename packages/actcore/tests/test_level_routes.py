@@ -1,0 +1,65 @@
+"""Each route resolves its level names in its own table only: ``convert``'s (ActNN's,
+``actcore.config``) and ``Controller``'s (GACT's, ``actcore.policies``); the same name may
+mean different things on the two."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import actcore
+from actcore import policies
+from actcore.bench.routes import check_levels, route_levels
+from actcore.config import LEVELS, level_spec
+from actcore.policies import HOOK_LEVELS, hook_level
+from actcore.policy_scheme import PolicyScheme
+
+
+def test_a_level_name_means_what_its_own_route_says() -> None:
+    # L3 on the layer route: 2-bit adaptive; on the hooks route: 4-bit auto with CPU swap
+    layers, hooks = level_spec("L3"), hook_level("L3")
+    assert (layers.conv_bits, layers.adaptive, layers.swap) == (2, True, False)
+    assert (hooks.bits, hooks.auto, hooks.swap) == (4, True, True)
+    # a name one route lacks is unknown there, whatever the other route's table holds
+    with pytest.raises(ValueError, match=re.escape("valid levels: " + ", ".join(LEVELS))):
+        level_spec("L1.2")
+    with pytest.raises(ValueError, match=re.escape("valid levels: " + ", ".join(HOOK_LEVELS))):
+        hook_level("L4")
+    assert route_levels("layers") == (LEVELS, level_spec)
+    assert route_levels("hooks") == (HOOK_LEVELS, hook_level)
+    assert check_levels(["fp", "L4"], "layers") == ["fp", "L4"]
+    with pytest.raises(ValueError, match="for --route hooks"):
+        check_levels(["L4"], "hooks")
+    with pytest.raises(ValueError, match=re.escape("'L1.2'; valid levels: fp, L0")):
+        check_levels(["L1.2"], "layers")
+
+
+@pytest.mark.parametrize(("kind", "options"), [("fixed", {}), ("auto", {}), ("acgc", {})])
+def test_convert_policies_resolve_no_hooks_level(monkeypatch, kind, options) -> None:
+    def refuse(level):
+        raise AssertionError(f"the layer route looked up hooks level {level!r}")
+
+    monkeypatch.setattr(policies, "hook_level", refuse)
+    model = actcore.convert(nn.Sequential(nn.Linear(8, 8)), "L3", policy=kind, **options)
+    scheme = model.act_policy
+    assert isinstance(scheme, PolicyScheme) and scheme.policy.name == kind
+    assert scheme.policy.swap is False  # swapping stays the layer level's business
+    if kind == "fixed":
+        assert scheme.policy.bits == 2  # the level's conv/linear bits
+    if kind == "auto":
+        assert scheme.policy.avg_bits == 2
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()
+    assert x.grad is not None
+
+
+def test_convert_policy_options_are_checked_per_kind() -> None:
+    with pytest.raises(
+        TypeError, match=r"unknown option\(s\) \['error_bound'\] for policy 'fixed'"
+    ):
+        actcore.convert(nn.Sequential(nn.Linear(8, 8)), "L2", policy="fixed", error_bound=0.1)
+    with pytest.raises(ValueError, match="unknown policy 'greedy'"):
+        actcore.convert(nn.Sequential(nn.Linear(8, 8)), "L2", policy="greedy")
