@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from actcore import Controller
 from actcore.exact_ops import ExactOps, needs_exact_saves
-from actcore.saved_tensor_hooks import SavedTensorCompressor, compress_saved_tensors
+from actcore.saved_tensor_hooks import SavedTensorHooks, compress_saved_tensors
 
 INF = math.inf
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
@@ -75,7 +75,7 @@ def test_without_exact_ops_the_same_gradients_are_wrong(name: str) -> None:
 
 
 def test_saves_outside_comparing_ops_are_still_compressed() -> None:
-    hooks = SavedTensorCompressor(2, min_numel=1)
+    hooks = SavedTensorHooks(2, min_numel=1)
     handles = []
     pack = hooks.pack
     hooks.pack = lambda t: handles.append(pack(t)) or handles[-1]  # type: ignore[method-assign]

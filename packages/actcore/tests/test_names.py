@@ -32,7 +32,15 @@ def test_old_imports_from_the_hooks_module_still_work(monkeypatch) -> None:
     with pytest.warns(DeprecationWarning, match="moved to actcore.compressors"):
         from actcore.hooks import MaskBits, SavedTensorCompressor, SeededQuantize
     assert MaskBits is compressors.MaskBits and SeededQuantize is compressors.SeededQuantize
-    assert SavedTensorCompressor is saved_tensor_hooks.SavedTensorCompressor
+    assert SavedTensorCompressor is saved_tensor_hooks.SavedTensorHooks
+
+
+def test_the_saved_tensor_hooks_old_class_name_warns() -> None:
+    with pytest.warns(DeprecationWarning, match="renamed SavedTensorHooks"):
+        old = saved_tensor_hooks.SavedTensorCompressor
+    assert old is saved_tensor_hooks.SavedTensorHooks
+    with pytest.raises(AttributeError, match="no attribute 'Missing'"):
+        saved_tensor_hooks.Missing  # noqa: B018
 
 
 def test_policy_scheme_from_convert_warns() -> None:
@@ -51,7 +59,7 @@ def test_engine_attributes_warn_and_name_the_saved_tensor_hooks() -> None:
     assert isinstance(scope, ModelScope)
     with pytest.warns(DeprecationWarning, match="saved_tensor_hooks"):
         assert scope.engine is scope.saved_tensor_hooks
-    assert isinstance(scope.saved_tensor_hooks, saved_tensor_hooks.SavedTensorCompressor)
+    assert isinstance(scope.saved_tensor_hooks, saved_tensor_hooks.SavedTensorHooks)
 
 
 def test_each_compressor_lives_in_its_own_module() -> None:

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from actcore import memory
 from actcore.saved_handles import Handle
-from actcore.saved_tensor_hooks import SavedTensorCompressor, compress_saved_tensors
+from actcore.saved_tensor_hooks import SavedTensorHooks, compress_saved_tensors
 
 
 def _encoder(d: int, heads: int, ffn: int, layers: int) -> nn.Module:
@@ -75,7 +75,7 @@ def test_eight_bit_gradients_cosine() -> None:
 
 def test_what_passes_through_and_what_is_packed() -> None:
     lin = nn.Linear(64, 64)
-    hooks = SavedTensorCompressor(2, model=lin, min_numel=256)
+    hooks = SavedTensorHooks(2, model=lin, min_numel=256)
     weight_view = lin.weight.t()
     h = hooks.pack(weight_view)  # linear saves weight.t(): a view of a parameter
     assert h.tensor is not None and h.stored is None
@@ -98,7 +98,7 @@ def test_what_passes_through_and_what_is_packed() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_views_restore_shape_strides_and_values(dtype: torch.dtype) -> None:
-    hooks = SavedTensorCompressor(8, min_numel=1)
+    hooks = SavedTensorHooks(8, min_numel=1)
     base = torch.randn(16, 32, 8).to(dtype)
     bcast = torch.randn(16, 1, 8).to(dtype).expand(16, 5, 8)
     gappy = base[:, ::2]  # not dense: restored contiguous, same values
@@ -114,7 +114,7 @@ def test_views_restore_shape_strides_and_values(dtype: torch.dtype) -> None:
 
 
 def test_same_storage_saved_twice_is_stored_once() -> None:
-    hooks = SavedTensorCompressor(4, min_numel=1)
+    hooks = SavedTensorHooks(4, min_numel=1)
     x = torch.randn(64, 64)
     a, b, c = hooks.pack(x), hooks.pack(x), hooks.pack(x.t())
     assert a.stored is b.stored is c.stored

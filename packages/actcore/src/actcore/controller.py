@@ -32,7 +32,7 @@ from .fewbit.convert import swap_activation
 from .fewbit.tables import check_bits
 from .policies import HookLevel, Policy, check_iteration, hook_level, make_policy
 from .rng import SeedStream
-from .saved_tensor_hooks import SavedTensorCompressor
+from .saved_tensor_hooks import SavedTensorHooks
 
 __all__ = ["Controller", "swap_activations"]
 
@@ -75,7 +75,7 @@ class Controller:
             :func:`actcore.compress_saved_tensors`), and the policy's options (``bits``,
             ``avg_bits``, ``adapt_interval``, ``error_bound``, ``max_passes``, ``swap``, ...).
 
-    The :class:`~actcore.saved_tensor_hooks.SavedTensorCompressor` it installs is its
+    The :class:`~actcore.saved_tensor_hooks.SavedTensorHooks` it installs is its
     ``saved_tensor_hooks`` attribute.
     """
 
@@ -96,7 +96,7 @@ class Controller:
         hook_options = {k: overrides.pop(k) for k in _HOOK_OPTIONS if k in overrides}
         self.policy = make_policy(self.level, policy, **overrides)
         self.model = model
-        self.saved_tensor_hooks = SavedTensorCompressor(self.policy, **hook_options)
+        self.saved_tensor_hooks = SavedTensorHooks(self.policy, **hook_options)
         self.rng = SeedStream(seed)
         self.saved_tensor_hooks.stream = self.rng
         self.iteration = 0
@@ -109,11 +109,11 @@ class Controller:
         return self._installed
 
     @property
-    def engine(self) -> SavedTensorCompressor:
+    def engine(self) -> SavedTensorHooks:
         """Deprecated name of :attr:`saved_tensor_hooks` (removed in the next release)."""
         warnings.warn(
             "Controller.engine is deprecated and will be removed in the next release: it is "
-            "now Controller.saved_tensor_hooks (the SavedTensorCompressor it installs)",
+            "now Controller.saved_tensor_hooks (the SavedTensorHooks it installs)",
             DeprecationWarning,
             stacklevel=2,
         )

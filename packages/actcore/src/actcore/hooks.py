@@ -17,7 +17,7 @@ __all__ = _saved_tensor_hooks.__all__
 
 warnings.warn(
     "actcore.hooks is deprecated and will be removed in the next release: it was renamed "
-    "actcore.saved_tensor_hooks (compress_saved_tensors, SavedTensorCompressor); its "
+    "actcore.saved_tensor_hooks (compress_saved_tensors, SavedTensorHooks); its "
     "compressors MaskBits and SeededQuantize moved to actcore.compressors",
     DeprecationWarning,
     stacklevel=2,

@@ -43,6 +43,7 @@ data-dependent check, i.e. a device sync per tensor); they are quantized like an
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -60,7 +61,7 @@ from .saved_handles import Handle, Stored, canonical, is_param_like, storage_ptr
 __all__ = [
     "FLOATS",
     "PROBABILITY_BITS",
-    "SavedTensorCompressor",
+    "SavedTensorHooks",
     "compress_saved_tensors",
 ]
 
@@ -81,7 +82,7 @@ _EXACT_OUTPUT_NODES = frozenset({"LogSoftmaxBackward0"})
 # --------------------------------------------------------------------------------------------
 
 
-class SavedTensorCompressor:
+class SavedTensorHooks:
     """Pack/unpack hooks that compress saved tensors as a policy decides.
 
     Use it as a context manager (``with hooks: ...``); :func:`compress_saved_tensors` builds
@@ -192,7 +193,7 @@ class SavedTensorCompressor:
 
     # ---- context manager ---------------------------------------------------------------------
 
-    def __enter__(self) -> SavedTensorCompressor:
+    def __enter__(self) -> SavedTensorHooks:
         if getattr(self._local, "hooks", None) is not None:
             raise RuntimeError("these saved-tensor hooks are already active")
         self._global = 0
@@ -407,7 +408,7 @@ def compress_saved_tensors(
     min_numel: int = 1024,
     group_size: int = 256,
     exact_ops: bool = True,
-) -> SavedTensorCompressor:
+) -> SavedTensorHooks:
     """Compress the tensors autograd saves inside a ``with`` block; no model needed.
 
     Args:
@@ -421,6 +422,18 @@ def compress_saved_tensors(
             (see :mod:`actcore.exact_ops`); ``False`` quantizes them too (their gradients
             are then wrong: only for measuring what that costs).
     """
-    return SavedTensorCompressor(
+    return SavedTensorHooks(
         policy, model=model, min_numel=min_numel, group_size=group_size, exact_ops=exact_ops
     )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SavedTensorCompressor":  # its old name: it is no Compressor, so renamed
+        warnings.warn(
+            "actcore.saved_tensor_hooks.SavedTensorCompressor is deprecated and will be "
+            "removed in the next release: it was renamed SavedTensorHooks",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return SavedTensorHooks
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,7 @@ forward) it pushes
   attribute), which compress every other floating tensor autograd saves (functional ops,
   elementwise products, inline attention, a loss computed in the model) at the level's
   ``other_bits``, with the tailored choices of
-  :class:`actcore.saved_tensor_hooks.SavedTensorCompressor` (softmax / sigmoid / tanh
+  :class:`actcore.saved_tensor_hooks.SavedTensorHooks` (softmax / sigmoid / tanh
   outputs at 4 bits at least, log-probabilities and the forward's own constants exact),
   while tensors a Q-layer packed pass through (and a tensor a Q-layer packed is not stored
   twice), and
@@ -38,7 +38,7 @@ from torch import nn
 from .config import LevelSpec, level_spec
 from .policies import FixedBits
 from .routing import FunctionalRouter
-from .saved_tensor_hooks import SavedTensorCompressor
+from .saved_tensor_hooks import SavedTensorHooks
 
 __all__ = ["ModelScope", "attach_scope", "detach_scope", "hook_bits"]
 
@@ -60,7 +60,7 @@ class ModelScope:
 
     def _build(self) -> None:
         bits = hook_bits(self.spec)
-        self.saved_tensor_hooks = SavedTensorCompressor(
+        self.saved_tensor_hooks = SavedTensorHooks(
             FixedBits(bits, swap=self.spec.swap),
             tailored=True,
             router=FunctionalRouter(self.spec, self.fewbit_bits),
@@ -103,11 +103,11 @@ class ModelScope:
         return self.saved_tensor_hooks.active
 
     @property
-    def engine(self) -> SavedTensorCompressor:
+    def engine(self) -> SavedTensorHooks:
         """Deprecated name of :attr:`saved_tensor_hooks` (removed in the next release)."""
         warnings.warn(
             "ModelScope.engine is deprecated and will be removed in the next release: it is "
-            "now ModelScope.saved_tensor_hooks (the SavedTensorCompressor it pushes)",
+            "now ModelScope.saved_tensor_hooks (the SavedTensorHooks it pushes)",
             DeprecationWarning,
             stacklevel=2,
         )
