@@ -52,6 +52,7 @@ __all__ = [
     "HookLevel",
     "Policy",
     "as_policy",
+    "build_policy",
     "check_iteration",
     "hook_level",
     "make_policy",
@@ -548,17 +549,25 @@ def make_policy(level: str | HookLevel = "L2", policy: Any = None, **overrides: 
         return policy
     lv = hook_level(level)
     kind = policy if policy is not None else ("auto" if lv.auto else "fixed")
+    return build_policy(kind, overrides, bits=lv.bits, swap=lv.swap)
+
+
+def build_policy(
+    kind: Any, options: dict[str, Any], *, bits: int | None, swap: bool = False
+) -> Policy:
+    """A policy of ``kind`` (a key of :data:`POLICY_OPTIONS`) with ``options``, checked;
+    ``bits`` is the default of ``bits`` (fixed) and ``avg_bits`` (auto; 4 when None)."""
     if kind not in POLICY_OPTIONS:
-        raise ValueError(f"unknown policy {kind!r}; valid: {', '.join(POLICY_OPTIONS)}")
+        raise ValueError(f"unknown policy {kind!r}; valid: {', '.join(POLICY_OPTIONS)} or a Policy")
     allowed = POLICY_OPTIONS[kind]
-    bad = sorted(set(overrides) - set(allowed))
+    bad = sorted(set(options) - set(allowed))
     if bad:
         raise TypeError(f"unknown option(s) {bad} for policy {kind!r}; allowed: {list(allowed)}")
-    opts = {"swap": lv.swap, **overrides}
+    opts = {"swap": swap, **options}
     if kind == "fixed":
-        return FixedBits(opts.pop("bits", lv.bits), **opts)
+        return FixedBits(opts.pop("bits", bits), **opts)
     if kind == "auto":
-        return AutoPrecision(opts.pop("avg_bits", lv.bits or 4), **opts)
+        return AutoPrecision(opts.pop("avg_bits", bits or 4), **opts)
     return ACGC(**opts)
 
 

@@ -19,15 +19,9 @@ from torch import nn
 from .compressors import IDENTITY, Compressor, Quantize, Recorded, SeededQuantize, ZeroValue
 from .config import LevelSpec, config
 from .layers.modules import QLayer
-from .policies import ACGC, POLICY_OPTIONS, AutoPrecision, FixedBits, Policy, check_iteration
+from .policies import Policy, build_policy, check_iteration
 
 __all__ = ["PolicyScheme", "make_scheme", "set_policy"]
-
-_POLICIES: dict[str, Callable[..., Policy]] = {
-    "fixed": FixedBits,
-    "auto": AutoPrecision,
-    "acgc": ACGC,
-}
 
 
 class PolicyScheme:
@@ -141,20 +135,8 @@ def make_scheme(spec: LevelSpec, policy: Any, options: dict[str, Any]) -> Policy
         if options:
             raise TypeError(f"options {sorted(options)} cannot apply to a Policy instance")
         return PolicyScheme(policy)
-    if policy not in POLICY_OPTIONS:
-        raise ValueError(
-            f"unknown policy {policy!r}; valid: {', '.join(POLICY_OPTIONS)} or a Policy"
-        )
-    allowed = POLICY_OPTIONS[policy]
-    bad = sorted(set(options) - set(allowed))
-    if bad:
-        raise TypeError(f"unknown option(s) {bad} for policy {policy!r}; allowed: {list(allowed)}")
     default = spec.conv_bits if spec.conv_bits is not None else 4
-    if policy == "fixed":
-        options = {"bits": default, **options}
-    elif policy == "auto":
-        options = {"avg_bits": default, **options}
-    return PolicyScheme(_POLICIES[policy](**options))
+    return PolicyScheme(build_policy(policy, options, bits=default))
 
 
 def set_policy(model: nn.Module, scheme: PolicyScheme | None) -> None:
