@@ -401,9 +401,9 @@ def test_dropout_output_is_rebuilt_from_its_input_packing(monkeypatch) -> None:
         return rep.retained_bytes
 
     rebuilt = held()
-    import actcore.layers.functions as functions
+    import actcore.layers.masked_functions as masked_functions
 
-    monkeypatch.setattr(functions, "note_dropout_output", lambda out: out)
+    monkeypatch.setattr(masked_functions, "note_dropout_output", lambda out: out)
     copy_4bit = actcore.ops.quantize(torch.randn(8, 64, 64), 4).nbytes
     assert held() - rebuilt == copy_4bit
 

@@ -73,9 +73,9 @@ def test_norm_output_is_rebuilt_from_its_normalized_input(kind: str, monkeypatch
     derived_bytes = rep.retained_bytes
 
     # without the rebuild the linears keep a packing of their own
-    import actcore.layers.functions as functions
+    import actcore.layers.norm_functions as norm_functions
 
-    monkeypatch.setattr(functions, "derive_output", lambda *a, **k: None)
+    monkeypatch.setattr(norm_functions, "derive_output", lambda *a, **k: None)
     again = actcore.convert(copy.deepcopy(plain), "L3")
     with memory.track(again) as rep:
         out = again(x)  # (held: the graph lives as long as its output)

@@ -87,7 +87,7 @@ def _saves(x: Any) -> bool:
 
 def _masked(kind: str, param_of: Callable[[tuple, dict], Any], inplace_of: Callable) -> _Handler:
     def handle(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-        from .layers.functions import MaskedActivationFunction, note_output_mask
+        from .layers.masked_functions import MaskedActivationFunction, note_output_mask
 
         x = args[0] if args else kwargs.get("input")
         if not _saves(x):
@@ -171,8 +171,8 @@ def _affine_norm_args(router: FunctionalRouter, args: tuple, kwargs: dict) -> tu
 
 
 def _layer_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-    from .layers.functions import LayerNormFunction
-    from .layers.modules import autocast_inputs
+    from .layers.autocast import autocast_inputs
+    from .layers.norm_functions import LayerNormFunction
 
     found = _affine_norm_args(router, args, kwargs)
     if found is None:
@@ -184,7 +184,7 @@ def _layer_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
 
 
 def _group_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-    from .layers.modules import group_norm
+    from .layers.norm import group_norm
 
     found = _affine_norm_args(router, args, kwargs)
     if found is None or found[0].dim() < 2:
@@ -197,8 +197,8 @@ def _group_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
 
 
 def _batch_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-    from .layers.functions import BatchNormFunction
-    from .layers.modules import autocast_inputs
+    from .layers.autocast import autocast_inputs
+    from .layers.norm_functions import BatchNormFunction
 
     x = args[0] if args else kwargs.get("input")
     running_mean = _arg(args, kwargs, 1, "running_mean", None)
@@ -224,7 +224,7 @@ def _batch_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
 
 
 def _rms_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-    from .layers.functions import RMSNormFunction
+    from .layers.norm_functions import RMSNormFunction
 
     x = args[0] if args else kwargs.get("input")
     weight = _arg(args, kwargs, 2, "weight", None)
@@ -238,7 +238,7 @@ def _rms_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
 
 
 def _normalize(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-    from .layers.functions import NormalizeFunction
+    from .layers.norm_functions import NormalizeFunction
 
     x = args[0] if args else kwargs.get("input")
     p = _arg(args, kwargs, 1, "p", 2.0)
@@ -266,7 +266,7 @@ def _plain_float(x: Any) -> bool:
 
 def _dropout(p_index: int, train_index: int, inplace: Callable[[tuple, dict], bool]) -> _Handler:
     def handle(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-        from .layers.functions import DropoutFunction, note_dropout_output
+        from .layers.masked_functions import DropoutFunction, note_dropout_output
 
         x = args[0] if args else kwargs.get("input")
         p = _arg(args, kwargs, p_index, "p", 0.5)

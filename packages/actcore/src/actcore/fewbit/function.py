@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..layers.functions import link, no_second_derivative
+from ..layers.double_backward import link, no_second_derivative
 from .tables import Table
 
 __all__ = ["Code", "MaskCode", "TableCode", "apply"]

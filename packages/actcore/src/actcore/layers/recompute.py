@@ -163,7 +163,7 @@ def recomputed_class(module: nn.Module) -> type[nn.Module] | None:
         return None
     found = _CLASSES.get(cls)
     if found is None:
-        from .modules import QLayer
+        from .base import QLayer
 
         # a module-level name, so converted models pickle (the source module in it keeps
         # two libraries' classes of one name apart)

@@ -1,0 +1,51 @@
+"""``QLayer``, the mixin of every Q-layer, and the configurations a Q-layer cannot take."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..op_mode import call_outside_modes
+from ..stash import layer_spec, needs_saving
+
+__all__ = [
+    "QLayer",
+    "unsupported_reason",
+]
+
+
+class QLayer:
+    """Mixin of every Q-layer: its level and per-layer compression state."""
+
+    act_level: str | None = None
+    act_scheme: Any = None
+    act_adaptive_bits = True  # whether adaptive bit plans (L3) choose its bits
+
+    @torch.compiler.disable
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # A Q-layer is its own tailored treatment: the functional-op router of a converted
+        # model's scope has nothing to do inside it (and would only add per-call overhead).
+        # Under torch.compile it runs eagerly (a graph break): its bookkeeping keys tensors by
+        # identity and draws a fresh rounding seed every call, which a trace would freeze.
+        return call_outside_modes(super().__call__, args, kwargs)  # type: ignore[misc]
+
+    def _compresses(self, *tensors: torch.Tensor | None) -> bool:
+        spec = layer_spec(self)
+        return (spec.compresses or spec.swap) and needs_saving(*tensors)
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()  # type: ignore[misc]
+        return base if self.act_level is None else f"{base}, act_level={self.act_level!r}"
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why a configuration of ``module`` cannot be taken by its Q-layer (None if it can)."""
+    if isinstance(module, nn.modules.conv._ConvNd) and module.padding == "same":
+        totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size, strict=True)]
+        if any(t % 2 for t in totals):
+            return "padding='same' with an even receptive field pads asymmetrically"
+    if isinstance(module, nn.modules.pooling._MaxPoolNd) and module.return_indices:
+        return "return_indices=True hands the int64 indices to the caller"
+    return None

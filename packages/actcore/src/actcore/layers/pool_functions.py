@@ -1,0 +1,134 @@
+"""Autograd functions of the pooling Q-layers.
+
+Max pooling keeps each output's argmax as a few-bit offset inside its window; average
+pooling keeps nothing (its backward needs only the input's shape).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import ops
+from ..stash import IDENTITY, stash, unstash
+from .input_meta import InputMeta
+
+__all__ = [
+    "AvgPoolFunction",
+    "MaxPoolFunction",
+]
+
+aten = torch.ops.aten
+
+
+class MaxPoolFunction(torch.autograd.Function):
+    """Max pooling that keeps each output's argmax as its offset inside the window.
+
+    The offset needs ``ceil(log2(window size))`` bits per output element instead of an
+    int64 flat index; backward rebuilds the flat indices for the aten backward op.
+    """
+
+    @staticmethod
+    def forward(ctx, x, kernel, stride, padding, dilation, ceil_mode, layer):
+        nd = len(kernel)
+        pool = torch.nn.functional.max_pool2d if nd == 2 else torch.nn.functional.max_pool3d
+        out, index = pool(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
+        window = math.prod(kernel)
+        bits = max(1, math.ceil(math.log2(window)))
+        ctx.geometry = (kernel, stride, padding, dilation, ceil_mode)
+        ctx.input_meta = InputMeta(x)
+        ctx.out_shape, ctx.bits = out.shape, bits
+        offset = _window_offset(index, x.shape[-nd:], *ctx.geometry[:4])
+        if bits <= 8:
+            saved = ops.pack_bits(offset.to(torch.uint8), bits)
+        else:
+            saved = offset.to(torch.int16 if window <= 2**15 else torch.int32)
+        stash(ctx, layer, [(saved, IDENTITY)])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (saved,) = unstash(ctx)
+        if ctx.bits <= 8:
+            offset = ops.unpack_bits(saved, ctx.bits, math.prod(ctx.out_shape))
+            offset = offset.view(ctx.out_shape).long()
+        else:
+            offset = saved.long()
+        kernel, stride, padding, dilation, ceil_mode = ctx.geometry
+        nd = len(kernel)
+        x_meta = ctx.input_meta.tensor()
+        index = _flat_index(offset, x_meta.shape[-nd:], kernel, stride, padding, dilation)
+        backward = (
+            aten.max_pool2d_with_indices_backward
+            if nd == 2
+            else aten.max_pool3d_with_indices_backward
+        )
+        gx = backward(grad, x_meta, kernel, stride, padding, dilation, ceil_mode, index)
+        return gx, None, None, None, None, None, None
+
+
+def _window_starts(out_shape, stride, padding, device) -> list[torch.Tensor]:
+    """Per spatial dim, the (broadcastable) input coordinate where each window starts."""
+    nd = len(stride)
+    starts = []
+    for d in range(nd):
+        size = out_shape[-nd + d]
+        view = [1] * nd
+        view[d] = size
+        pos = torch.arange(size, device=device) * stride[d] - padding[d]
+        starts.append(pos.view(view))
+    return starts
+
+
+def _window_offset(index, in_spatial, kernel, stride, padding, dilation) -> torch.Tensor:
+    """Flat input index (per plane) -> offset inside the pooling window."""
+    nd = len(kernel)
+    starts = _window_starts(index.shape, stride, padding, index.device)
+    offset = torch.zeros_like(index)
+    rest = index
+    coords = []
+    for d in reversed(range(nd)):  # peel coordinates, last dim first
+        coords.append(rest % in_spatial[d])
+        rest = rest // in_spatial[d]
+    coords.reverse()
+    for d in range(nd):
+        offset = offset * kernel[d] + (coords[d] - starts[d]) // dilation[d]
+    return offset
+
+
+def _flat_index(offset, in_spatial, kernel, stride, padding, dilation) -> torch.Tensor:
+    """Offset inside the pooling window -> flat input index (per plane)."""
+    nd = len(kernel)
+    starts = _window_starts(offset.shape, stride, padding, offset.device)
+    index = torch.zeros_like(offset)
+    rest = offset
+    within = []
+    for d in reversed(range(nd)):
+        within.append(rest % kernel[d])
+        rest = rest // kernel[d]
+    within.reverse()
+    for d in range(nd):
+        index = index * in_spatial[d] + starts[d] + within[d] * dilation[d]
+    return index
+
+
+class AvgPoolFunction(torch.autograd.Function):
+    """Average pooling that saves nothing: its backward needs only the input's shape."""
+
+    @staticmethod
+    def forward(ctx, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor, layer):
+        nd = len(kernel)
+        if nd == 2:
+            out = aten.avg_pool2d(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor)
+        else:
+            out = aten.avg_pool3d(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor)
+        ctx.args = (kernel, stride, padding, ceil_mode, count_include_pad, divisor)
+        ctx.input_meta = InputMeta(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        backward = aten.avg_pool2d_backward if len(ctx.args[0]) == 2 else aten.avg_pool3d_backward
+        gx = backward(grad, ctx.input_meta.tensor(), *ctx.args)
+        return gx, None, None, None, None, None, None, None
