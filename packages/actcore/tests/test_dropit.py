@@ -27,6 +27,7 @@ from actcore.dropit import (
     remove_dropit,
     to_dropit,
 )
+from actcore.dropit import modules as dropit_modules
 
 F32 = 4
 
@@ -573,13 +574,15 @@ def test_transformers_conv1d_only_when_loaded(monkeypatch):
     utils.Conv1D = Conv1D
     monkeypatch.setitem(sys.modules, "transformers", pkg)
     monkeypatch.setitem(sys.modules, "transformers.pytorch_utils", utils)
-    monkeypatch.setattr(dropit, "_HF_CLASSES", {})
-    registered = "DropITConv1D" in vars(dropit)  # by a real transformers Conv1D, if any
+    monkeypatch.setattr(dropit_modules, "_HF_CLASSES", {})
+    registered = "DropITConv1D" in vars(dropit_modules)  # by a real transformers Conv1D, if any
     try:
         report = to_dropit(model, gamma=0.75)
+        if not registered:  # importable (and picklable) from the package by its name
+            assert dropit.DropITConv1D is type(model[0])
     finally:  # forget the DropIT class made for this fake Conv1D
         if not registered:
-            vars(dropit).pop("DropITConv1D", None)
+            vars(dropit_modules).pop("DropITConv1D", None)
     assert report.converted == ["0"]
     layer = model[0]
     assert isinstance(layer, Conv1D) and is_dropit(layer)
