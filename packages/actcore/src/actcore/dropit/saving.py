@@ -155,12 +155,12 @@ def measure_saving(model: nn.Module, *args: Any, **kwargs: Any) -> SavingReport:
     state are restored afterwards.
     """
     from actcore import memory
-    from actcore.memory.storage import _storage_of  # the storage identity memory counts by
+    from actcore.memory.storage import storage_of
 
     layers = {name: m for name, m in model.named_modules() if isinstance(m, DropITMixin)}
     if not layers:
         raise ValueError("the model has no DropIT layers; convert it with to_dropit() first")
-    model_inputs = {_storage_of(t)[0] for t in _tensors_in((args, kwargs))}
+    model_inputs = {storage_of(t)[0] for t in _tensors_in((args, kwargs))}
     uses: dict[str, list[tuple[Any, int]]] = {name: [] for name in layers}
 
     def retained(active: set[str]) -> memory.MemoryReport:
@@ -178,7 +178,7 @@ def measure_saving(model: nn.Module, *args: Any, **kwargs: Any) -> SavingReport:
             if inputs and isinstance(inputs[0], Tensor):
                 x = inputs[0]
                 held.append(x)
-                uses[name].append((_storage_of(x)[0], x.numel() * x.element_size()))
+                uses[name].append((storage_of(x)[0], x.numel() * x.element_size()))
 
         handles = [
             layer.register_forward_pre_hook(lambda _m, i, n=name: record(n, i))

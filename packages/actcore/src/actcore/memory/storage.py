@@ -1,5 +1,6 @@
 """Storage identity: which storage a saved tensor keeps alive, its bytes, and the tensors
-inside a container or a compressed handle (helpers private to :mod:`actcore.memory`)."""
+inside a container or a compressed handle (:func:`storage_of` is the one storage key of
+actcore; the other helpers are private to :mod:`actcore.memory`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__: list[str] = []
+__all__ = ["storage_of"]
 
 _MAX_DEPTH = 8  # how deep note_saved / ctx walking looks into nested containers
 
 
-def _storage_of(t: Tensor) -> tuple[Any, int]:
+def storage_of(t: Tensor) -> tuple[Any, int]:
     """(key, bytes) of the storage behind ``t``; a view is charged its whole storage."""
     try:
         storage = t.untyped_storage()

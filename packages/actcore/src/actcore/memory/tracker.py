@@ -18,7 +18,7 @@ from . import saved_hooks
 from .graph import _NO_SEQ, _grad_fns, _is_compiling, _next_seq
 from .report import OUTSIDE, MemoryReport
 from .saved_hooks import _ACTIVE, _hooks_state, _pack_hook, _unpack_hook
-from .storage import _is_param, _iter_tensors, _sparse_parts, _storage_of
+from .storage import _is_param, _iter_tensors, _sparse_parts, storage_of
 
 __all__ = ["Tracker"]
 
@@ -104,7 +104,7 @@ class Tracker:
         model = self.model
         if model is not None:
             tensors = [*model.parameters(), *model.buffers()]
-            self._param_keys = {_storage_of(t)[0] for t in tensors}
+            self._param_keys = {storage_of(t)[0] for t in tensors}
             for order, (name, module) in enumerate(model.named_modules()):
                 self._names[name] = order
                 self.report.module_types[name] = type(module).__name__
@@ -226,7 +226,7 @@ class Tracker:
             for part in parts:
                 self._record(part, holder, owner)
             return
-        key, nbytes = _storage_of(t)
+        key, nbytes = storage_of(t)
         if not self.include_params and (key in self._param_keys or _is_param(t)):
             return
         self.report.num_tensors += 1
