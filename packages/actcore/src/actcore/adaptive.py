@@ -68,7 +68,6 @@ checks the whole state before changing anything.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import numbers
@@ -79,6 +78,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .bit_allocation import allocate
 from .compressors import (
     Compressor,
     PerSampleQuantize,
@@ -280,11 +280,6 @@ def _coupling(grad: torch.Tensor, restored: torch.Tensor, group_size: int) -> to
     ).square()
     expected = energy.mean() * spread.sum()
     return torch.where(expected > 0, (energy * spread).sum() / expected, one)
-
-
-def _gain(weight: float, bits: int) -> float:
-    """Drop of ``weight / (2^b - 1)^2`` from ``bits`` to ``bits + 1``."""
-    return weight * ((2**bits - 1) ** -2 - (2 ** (bits + 1) - 1) ** -2)
 
 
 class AdaptiveBits:
@@ -685,24 +680,10 @@ class AdaptiveBits:
         # variance model above only counts the layer's own weight gradient (at 1 bit their
         # inputs stalled a fine-tuned MiniLM; see the module docstring).
         floor = min(self.max_bits, max(self.min_bits, math.ceil(self.budget)))
-        bits = [floor if self.layers[name].norm else self.min_bits for name, *_ in items]
-        total = sum(cost for *_, cost in items)
-        room = self.budget * total - sum(b * c for b, (*_, c) in zip(bits, items, strict=True))
-        heap = [
-            (-_gain(w, b) / max(c, 1e-12), i)
-            for i, ((_, _, w, c), b) in enumerate(zip(items, bits, strict=True))
-            if b < self.max_bits
-        ]
-        heapq.heapify(heap)
-        while heap and room > 0:
-            _, i = heapq.heappop(heap)
-            cost = items[i][3]
-            if cost > room:
-                continue
-            room -= cost
-            bits[i] += 1
-            if bits[i] < self.max_bits:
-                heapq.heappush(heap, (-_gain(items[i][2], bits[i]) / max(cost, 1e-12), i))
+        start = [floor if self.layers[name].norm else self.min_bits for name, *_ in items]
+        weights = [w for _, _, w, _ in items]
+        costs = [c for *_, c in items]
+        bits = allocate(weights, costs, start, self.max_bits, budget=self.budget).bits
         plans: dict[str, list[tuple[int, int]]] = {}
         for (name, rank, _, _), b in zip(items, bits, strict=True):
             plans.setdefault(name, []).append((rank, b))

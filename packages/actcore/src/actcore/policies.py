@@ -26,7 +26,6 @@ anything.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import logging
 import math
 import numbers
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .bit_allocation import allocate
 from .ops.api import check_bits
 from .pass_stats import PassStats
 
@@ -423,10 +423,6 @@ def _split(keys: list[str], parts: int) -> list[list[str]]:
     return [keys[i * n // parts : (i + 1) * n // parts] for i in range(parts)]
 
 
-def _err(w: float, bits: int | None) -> float:
-    return 0.0 if bits is None else w / float(2**bits - 1) ** 2
-
-
 class AutoPrecision(AdaptivePolicy):
     """GACT-style auto precision: minimise predicted gradient variance at ``avg_bits``.
 
@@ -448,26 +444,13 @@ class AutoPrecision(AdaptivePolicy):
 
     def _allocate(self, keys: list[str]) -> None:
         w = self._weights(keys)
-        n = {k: self.numel[k] for k in keys}
-        bits = dict.fromkeys(keys, self.min_bits)
-        budget = self.avg_bits * sum(n.values()) - self.min_bits * sum(n.values())
-        heap = [
-            (-(_err(w[k], b) - _err(w[k], b + 1)) / n[k], i, k)
-            for i, (k, b) in enumerate(bits.items())
-            if b < self.max_bits
-        ]
-        heapq.heapify(heap)
-        while heap:
-            _, i, k = heapq.heappop(heap)
-            if n[k] > budget + 1e-9:
-                continue
-            budget -= n[k]
-            bits[k] += 1
-            b = bits[k]
-            if b < self.max_bits:
-                heapq.heappush(heap, (-(_err(w[k], b) - _err(w[k], b + 1)) / n[k], i, k))
-        self.plan = dict(bits)
-        total = sum(_err(w[k], bits[k]) for k in keys)
+        weights, costs = [w[k] for k in keys], [self.numel[k] for k in keys]
+        # (the 1e-9: rounding of the float budget, which integer element counts cannot overrun)
+        plan = allocate(
+            weights, costs, self.min_bits, self.max_bits, budget=self.avg_bits, slack=1e-9
+        )
+        self.plan = dict(zip(keys, plan.bits, strict=True))
+        total = plan.variance
         self.predicted_error = math.sqrt(total / self.grad_sq) if self.grad_sq > 0 else 0.0
 
     def __repr__(self) -> str:
@@ -500,28 +483,11 @@ class ACGC(AdaptivePolicy):
 
     def _allocate(self, keys: list[str]) -> None:
         w = self._weights(keys)
-        n = {k: self.numel[k] for k in keys}
-        bits: dict[str, int | None] = dict.fromkeys(keys, self.min_bits)
+        weights, costs = [w[k] for k in keys], [self.numel[k] for k in keys]
         target = self.safety * self.error_bound**2 * self.grad_sq
-        total = sum(_err(w[k], self.min_bits) for k in keys)
-
-        def gain(k: str, b: int) -> float:
-            nxt = None if b >= self.max_bits else b + 1
-            extra = (32 - b) if nxt is None else 1
-            return (_err(w[k], b) - _err(w[k], nxt)) / (n[k] * extra)
-
-        heap = [(-gain(k, self.min_bits), i, k) for i, k in enumerate(keys)]
-        heapq.heapify(heap)
-        while total > target and heap:
-            _, i, k = heapq.heappop(heap)
-            b = bits[k]
-            assert b is not None
-            nxt = None if b >= self.max_bits else b + 1
-            total -= _err(w[k], b) - _err(w[k], nxt)
-            bits[k] = nxt
-            if nxt is not None:
-                heapq.heappush(heap, (-gain(k, nxt), i, k))
-        self.plan = bits
+        plan = allocate(weights, costs, self.min_bits, self.max_bits, target=target)
+        self.plan = dict(zip(keys, plan.bits, strict=True))
+        total = plan.variance
         self.predicted_error = math.sqrt(max(total, 0.0) / self.grad_sq) if self.grad_sq else 0.0
 
     def __repr__(self) -> str:
