@@ -1,0 +1,106 @@
+"""The compressors adaptive bits hands the engine, beside the plain :mod:`actcore.compressors`.
+
+* :class:`ScoredPerSampleQuantize`: per-sample bits with the samples ranked by given scores
+  (the per-dataset-sample gradient weights of :mod:`actcore.adaptive`).
+* :class:`_Recording`: another compressor that reports what it packed to the scheme, whose
+  statistics then come from the quantizer's own per-group steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .adaptive_stats import _LayerStats
+from .compressors import Compressor, PerSampleQuantize, Quantize, Tensors
+
+__all__ = ["ScoredPerSampleQuantize"]
+
+
+class _Recorder(Protocol):
+    """What a :class:`_Recording` reports to (:class:`~actcore.adaptive.AdaptiveBits`)."""
+
+    def _record(self, rec: _Recording, tensors: Tensors) -> None: ...
+
+
+@dataclass(frozen=True, eq=False)
+class ScoredPerSampleQuantize(PerSampleQuantize):
+    """:class:`PerSampleQuantize` ranking samples by given ``scores`` (largest first).
+
+    Packs into the same layout, so :meth:`PerSampleQuantize.unpack` reads it back.
+    """
+
+    scores: torch.Tensor | None = None  # [N], on x's device
+
+    name = "scored_per_sample_quantize"
+
+    def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
+        if self.scores is None or self.scores.shape != (x.shape[0],):
+            raise ValueError(f"scores do not match a batch of {x.shape[0]}")
+        if sum(c for _, c in self.counts) != x.shape[0]:
+            raise ValueError(f"counts {self.counts} do not cover a batch of {x.shape[0]}")
+        order = torch.argsort(self.scores, descending=True)
+        ranked = x.detach().index_select(0, order)
+        tensors: list[torch.Tensor] = [order.to(torch.int32)]
+        metas = []
+        start = 0
+        for bits, count in self.counts:
+            if count:
+                part, meta = Quantize(bits, self.group_size, True, self.stochastic).pack(
+                    ranked[start : start + count]
+                )
+                tensors.extend(part)
+                metas.append(meta)
+                start += count
+        return tuple(tensors), tuple(metas)
+
+    def key(self) -> tuple:
+        return (*super().key(), id(self.scores))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ScoredPerSampleQuantize) and self.key() == other.key()
+
+    def __hash__(self) -> int:
+        return hash(self.key())
+
+
+@dataclass(frozen=True, eq=False)
+class _Recording(Compressor):
+    """``inner``, handing what it packed to :meth:`AdaptiveBits._record` (statistics from
+    the quantizer's own per-group steps, no pass over the tensor of its own). Packs,
+    unpacks and compares as ``inner``."""
+
+    inner: Compressor
+    scheme: _Recorder
+    stats: _LayerStats
+    samples: int
+    elems: float  # elements stored per sample (zero-value: counted from the payload)
+    scale: torch.Tensor | None = None  # per-sample gradient weights (set_sample_index)
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.inner.name
+
+    @property
+    def lossy(self) -> bool:  # type: ignore[override]
+        return self.inner.lossy
+
+    def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
+        tensors, meta = self.inner.pack(x)
+        self.scheme._record(self, tensors)
+        return tensors, meta
+
+    def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
+        return self.inner.unpack(tensors, meta)
+
+    def key(self) -> tuple:
+        return self.inner.key()
+
+    def __eq__(self, other: object) -> bool:
+        inner = other.inner if isinstance(other, _Recording) else other
+        return self.inner == inner
+
+    def __hash__(self) -> int:
+        return hash(self.inner)
