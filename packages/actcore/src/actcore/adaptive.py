@@ -70,16 +70,22 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
 from typing import Any
 
 import torch
 from torch import nn
 
 from .adaptive_compressors import ScoredPerSampleQuantize, _Recording
+from .adaptive_plan import (
+    _allocation_items,
+    _average_bits,
+    _plans,
+    _predicted_variance,
+    _prior_bits,
+    _rank_counts,
+)
 from .adaptive_state import _DEFAULT_WINDOW, _checked_state
-from .adaptive_stats import _coupling, _ema, _finite, _finite_ema, _LayerStats
-from .bit_allocation import allocate
+from .adaptive_stats import _coupling, _ema, _finite_ema, _LayerStats
 from .compressors import (
     Compressor,
     PerSampleQuantize,
@@ -434,104 +440,37 @@ class AdaptiveBits:
                 self.skipped,
             )
 
-    # --- the plan ---------------------------------------------------------------------------
+    # --- the plan (adaptive_plan) -----------------------------------------------------------
 
     def prior_bits(self, layer: Any, bits: int) -> int:
-        """Bits before any plan: the level's, and two more for depthwise-like convolutions.
-
-        A weight of a grouped convolution with a small fan-in (``in_channels / groups *
-        kernel`` <= 32: depthwise 3x3 and 5x5) sums the products of few input elements per
-        output position, so the rounding noise of its input averages out far less than in
-        a dense layer's weight gradient (EfficientNet's depthwise weights: gradient cosine
-        0.65 at 2 bits, 0.83 at 4, on one batch). Replans then follow the statistics.
-        """
-        groups = getattr(layer, "groups", 1)
-        if isinstance(groups, int) and groups > 1:
-            kernel = math.prod(getattr(layer, "kernel_size", (1,)))
-            if getattr(layer, "in_channels", 0) // groups * kernel <= 32:
-                return min(self.max_bits, max(bits, math.ceil(self.budget) + 2))
-        return bits
+        """Bits before any plan: the level's, and two more for depthwise-like convolutions."""
+        return _prior_bits(layer, bits, self.budget, self.max_bits)
 
     def _counts(self, stats: _LayerStats, n: int, bits: int) -> tuple[tuple[int, int], ...]:
         """``(bits, samples)`` for a batch of ``n``, most bits first."""
-        if not stats.plan:
-            return ((bits, n),)
-        size = len(stats.plan)
-        by_rank = [stats.plan[r * size // n] for r in range(n)]
-        return tuple(sorted(Counter(by_rank).items(), reverse=True))
+        return _rank_counts(stats.plan, n, bits)
 
     def _layer_bits(self, stats: _LayerStats, bits: int) -> int:
         return stats.plan[0] if stats.plan else bits
 
     def _items(self) -> list[tuple[str, int, float, float]]:
         """``(layer, rank, weight, cost)`` of every allocation unit (host values)."""
-        # A layer reusing another's stored input (k/v beside q, up beside gate) has no
-        # profile of its own; the stored error reaches its weight gradient too, so its
-        # sensitivity adds to the owner's.
-        shared: dict[str, float] = {}
-        for st in self.layers.values():
-            if st.shares is not None and st.profile is None and _finite(st.sens, st.sens_seen):
-                shared[st.shares] = shared.get(st.shares, 0.0) + float(st.sens)
-        items = []
-        for name, st in self.layers.items():
-            if st.sens is None or st.profile is None or st.elems is None or st.readers:
-                continue  # (a hidden state several linears read keeps row-norm bits)
-            if st.last_step is not None and st.last_step < self.steps - self.window:
-                continue  # packs nothing any more (a head that now keeps the loss's tensor)
-            if any(seen is not None and int(seen) == 0 for seen in (st.sens_seen, st.profile_seen)):
-                continue  # no finite value yet
-            sens, elems = float(st.sens) + shared.get(name, 0.0), float(st.elems)
-            profile = st.profile.double().cpu().tolist()
-            if not all(math.isfinite(v) for v in (sens, elems, *profile)):
-                continue
-            if st.zero_value:  # one width for the whole tensor
-                items.append((name, -1, sens * sum(profile) / 4, elems * len(profile)))
-            else:
-                items += [(name, r, sens * w / 4, elems) for r, w in enumerate(profile)]
-        return items
+        return _allocation_items(self.layers, self.steps, self.window)
 
     def replan(self) -> None:
         """Recompute the plan from the statistics so far (reads them back: one sync)."""
         self._read_skipped()
-        items = self._items()
-        if not items:
-            return
-        # Normalization layers never go below the budget: an error in their (normalized)
-        # input enters the *input* gradient, which every earlier layer receives, where the
-        # variance model above only counts the layer's own weight gradient (at 1 bit their
-        # inputs stalled a fine-tuned MiniLM; see the module docstring).
-        floor = min(self.max_bits, max(self.min_bits, math.ceil(self.budget)))
-        start = [floor if self.layers[name].norm else self.min_bits for name, *_ in items]
-        weights = [w for _, _, w, _ in items]
-        costs = [c for *_, c in items]
-        bits = allocate(weights, costs, start, self.max_bits, budget=self.budget).bits
-        plans: dict[str, list[tuple[int, int]]] = {}
-        for (name, rank, _, _), b in zip(items, bits, strict=True):
-            plans.setdefault(name, []).append((rank, b))
-        for name, ranked in plans.items():
-            # equal weights can leave ties out of order: bits sorted, largest first, by rank
-            self.layers[name].plan = sorted((b for _, b in ranked), reverse=True)
+        plans = _plans(self.layers, self._items(), self.budget, self.min_bits, self.max_bits)
+        for name, plan in plans.items():
+            self.layers[name].plan = plan
 
     def predicted_variance(self, plan: dict[str, list[int]] | None = None) -> float:
         """``sum V_li(b_li)`` for ``plan`` (layer -> bits by rank; default: the current)."""
-        total = 0.0
-        for name, rank, weight, _ in self._items():
-            bits_by_rank = (plan or {}).get(name) or self.layers[name].plan
-            if not bits_by_rank:
-                raise ValueError(f"no plan for layer {name!r}")
-            b = bits_by_rank[max(rank, 0)]
-            total += weight / (2**b - 1) ** 2
-        return total
+        return _predicted_variance(self.layers, self._items(), plan)
 
     def average_bits(self) -> float:
         """Cost-weighted average bits of the current plan."""
-        num = den = 0.0
-        for name, rank, _, cost in self._items():
-            plan = self.layers[name].plan
-            if plan:
-                num += cost * plan[max(rank, 0)]
-                den += cost
-        return num / den if den else math.nan
+        return _average_bits(self.layers, self._items())
 
     # --- state ------------------------------------------------------------------------------
 
