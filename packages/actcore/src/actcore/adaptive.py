@@ -90,7 +90,6 @@ from .compressors import (
     Compressor,
     PerSampleQuantize,
     Quantize,
-    Tensors,
     ZeroValue,
     sample_range_weights,
 )
@@ -311,33 +310,6 @@ class AdaptiveBits:
         )
         self._count_skip(taken)
         stats.elems = _ema(stats.elems, torch.tensor(elems), self.momentum)
-
-    def _record(self, rec: _Recording, tensors: Tensors) -> None:
-        """Statistics of a :class:`_Recording` pack, from its per-group steps.
-
-        Stochastic rounding of a group of range ``r`` at ``b`` bits has step ``r / (2^b - 1)``
-        (up to its rounding to bfloat16), so ``group_size * (step * (2^b - 1))^2`` is the
-        group's term of :func:`sample_range_weights`.
-        """
-        inner = rec.inner
-        with torch.no_grad():
-            if isinstance(inner, ZeroValue):  # (mask, payload, lo, step): one row, all samples
-                q = inner.inner
-                assert isinstance(q, Quantize)
-                payload, step = tensors[1], tensors[3]
-                levels = float(2**q.bits - 1)
-                total = step.float().square().sum() * (q.group_size * levels**2)
-                profile = (total / rec.samples).reshape(1).expand(rec.samples)
-                stored = payload.shape[-1] // q.bits * 8  # the nonzeros (to a multiple of 8)
-                self._take(rec.stats, profile, stored / rec.samples)
-                return
-            assert isinstance(inner, Quantize)
-            step = tensors[2]
-            levels = float(2**inner.bits - 1)
-            weights = step.float().square().sum(1) * (inner.group_size * levels**2)
-            if rec.scale is not None:
-                weights = weights * rec.scale
-            self._take(rec.stats, weights.sort(descending=True).values, rec.elems)
 
     def observe(
         self,

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from .adaptive_stats import _LayerStats
-from .compressors import Compressor, PerSampleQuantize, Quantize, Tensors
+from .compressors import Compressor, PerSampleQuantize, Quantize, Tensors, ZeroValue
 
 __all__ = ["ScoredPerSampleQuantize"]
 
@@ -22,7 +22,7 @@ __all__ = ["ScoredPerSampleQuantize"]
 class _Recorder(Protocol):
     """What a :class:`_Recording` reports to (:class:`~actcore.adaptive.AdaptiveBits`)."""
 
-    def _record(self, rec: _Recording, tensors: Tensors) -> None: ...
+    def _take(self, stats: _LayerStats, profile: torch.Tensor, elems: float) -> None: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,8 +68,8 @@ class ScoredPerSampleQuantize(PerSampleQuantize):
 
 @dataclass(frozen=True, eq=False)
 class _Recording(Compressor):
-    """``inner``, handing what it packed to :meth:`AdaptiveBits._record` (statistics from
-    the quantizer's own per-group steps, no pass over the tensor of its own). Packs,
+    """``inner``, handing the statistics of what it packed to the scheme's ``_take`` (read
+    off the quantizer's own per-group steps, no pass over the tensor of its own). Packs,
     unpacks and compares as ``inner``."""
 
     inner: Compressor
@@ -89,8 +89,34 @@ class _Recording(Compressor):
 
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         tensors, meta = self.inner.pack(x)
-        self.scheme._record(self, tensors)
+        with torch.no_grad():
+            self.scheme._take(self.stats, *self._statistics(tensors))
         return tensors, meta
+
+    def _statistics(self, tensors: Tensors) -> tuple[torch.Tensor, float]:
+        """The range-weight profile (largest first) and elements per sample of a packing.
+
+        Stochastic rounding of a group of range ``r`` at ``b`` bits has step ``r / (2^b - 1)``
+        (up to its rounding to bfloat16), so ``group_size * (step * (2^b - 1))^2`` is the
+        group's term of :func:`~actcore.compressors.sample_range_weights`.
+        """
+        inner = self.inner
+        if isinstance(inner, ZeroValue):  # (mask, payload, lo, step): one row, all samples
+            q = inner.inner
+            assert isinstance(q, Quantize)
+            payload, step = tensors[1], tensors[3]
+            levels = float(2**q.bits - 1)
+            total = step.float().square().sum() * (q.group_size * levels**2)
+            profile = (total / self.samples).reshape(1).expand(self.samples)
+            stored = payload.shape[-1] // q.bits * 8  # the nonzeros (to a multiple of 8)
+            return profile, stored / self.samples
+        assert isinstance(inner, Quantize)
+        step = tensors[2]
+        levels = float(2**inner.bits - 1)
+        weights = step.float().square().sum(1) * (inner.group_size * levels**2)
+        if self.scale is not None:
+            weights = weights * self.scale
+        return weights.sort(descending=True).values, self.elems
 
     def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
         return self.inner.unpack(tensors, meta)
