@@ -69,7 +69,6 @@ checks the whole state before changing anything.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
@@ -84,6 +83,7 @@ from .adaptive_plan import (
     _prior_bits,
     _rank_counts,
 )
+from .adaptive_samples import _checked_index, _sample_scale, _write_norms
 from .adaptive_state import _DEFAULT_WINDOW, _checked_state
 from .adaptive_stats import _coupling, _ema, _finite_ema, _LayerStats
 from .compressors import (
@@ -197,22 +197,8 @@ class AdaptiveBits:
         if index is None:
             self._index = None
             return
-        if not isinstance(index, torch.Tensor):
-            raise TypeError(f"sample index must be a torch.Tensor, got {type(index).__name__}")
-        if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
-            raise TypeError(f"sample index must have an integer dtype, got {index.dtype}")
-        if index.dim() != 1:
-            raise ValueError(f"sample index must be 1-D, got shape {tuple(index.shape)}")
-        if index.numel():
-            low, high = int(index.min()), int(index.max())
-            if low < 0:
-                raise ValueError(f"sample index has a negative entry {low}")
-            if self.num_samples is not None and high >= self.num_samples:
-                raise ValueError(
-                    f"sample index {high} out of range for num_samples={self.num_samples}"
-                )
-            self._index_end = max(self._index_end, high + 1)
-        self._index = index.detach().long()
+        self._index, end = _checked_index(index, self.num_samples)
+        self._index_end = max(self._index_end, end)
 
     def _device_index(self, device: torch.device) -> torch.Tensor | None:
         """The batch's indices on ``device`` (copied once per device and batch)."""
@@ -230,24 +216,10 @@ class AdaptiveBits:
         index = self._device_index(device)
         if index is None:
             return None
-        if index.shape[0] != n:
-            raise ValueError(
-                f"sample index has {index.shape[0]} entries but layer {name!r} got a batch of {n}"
-            )
-        size = self.num_samples or self._index_end
-        table = stats.grads
-        if table is None or table.shape[0] < size:
-            old = 0 if table is None else table.shape[0]
-            length = size if self.num_samples else max(size, 2 * old)  # grow geometrically
-            grown = torch.full((length,), math.nan, device=device)
-            if table is not None:
-                grown[:old] = table.to(device)
-            table = grown
-        stats.grads = table = table.to(device)
-        seen = table.index_select(0, index)
-        filled = torch.where(seen.isnan(), seen.nanmean(), seen)  # all NaN when none seen
-        mean = filled.mean()
-        return torch.where(mean > 0, filled / mean, torch.ones_like(filled))
+        stats.grads, scale = _sample_scale(
+            stats.grads, index, name, n, self.num_samples, self._index_end, device
+        )
+        return scale
 
     # --- what the stash asks an act_scheme -------------------------------------------------
 
@@ -363,11 +335,7 @@ class AdaptiveBits:
                 self._count_skip(taken)
             if per_sample_table:  # the batch's samples' squared gradient norms into the table
                 assert index is not None and table is not None
-                old = table.index_select(0, index)
-                m = self.sample_momentum
-                mixed = torch.where(old.isnan(), norms, old * m + norms * (1 - m))
-                # a non-finite norm leaves the sample's entry as it was
-                table.index_copy_(0, index, torch.where(norms.isfinite(), mixed, old))
+                _write_norms(table, index, norms, self.sample_momentum)
 
     # --- steps and faults -------------------------------------------------------------------
 
