@@ -28,7 +28,7 @@ Allocation. Every ``interval`` steps, :meth:`AdaptiveBits.replan` minimises
 ``sum V_li(b_li)`` subject to ``sum cost_li * b_li <= budget * sum cost_li`` (``cost``: the
 elements stored) over integer ``b`` in ``[min_bits, max_bits]``: the gains of one more bit
 shrink with ``b``, so taking increments greedily by gain per cost is the classic solution of
-this separable convex problem. Normalization layers start at ``ceil(budget)`` bits instead
+this separable convex problem (:func:`actcore.bit_allocation.allocate`). Normalization layers start at ``ceil(budget)`` bits instead
 of ``min_bits``: their input error also reaches the input gradient, which this model does not
 count (at 1 bit, LayerNorm inputs stalled the fine-tuning of a real MiniLM that uniform 2 bits
 trained as well as fp32). Samples are not the same from step to step, so the plan is
@@ -64,6 +64,11 @@ host sync on the device) and logged once.
 The statistics and the plan are in :meth:`AdaptiveBits.state_dict`, so a resumed run keeps
 its plan and replans as the uninterrupted run would; :meth:`AdaptiveBits.load_state_dict`
 checks the whole state before changing anything.
+
+This module is the scheme; its parts are ``adaptive_stats`` (a layer's statistics and their
+averages), ``adaptive_compressors`` (what it packs with), ``adaptive_plan`` (the plan from
+the statistics), ``adaptive_samples`` (the per-dataset-sample tables) and ``adaptive_state``
+(checking a saved state).
 """
 
 from __future__ import annotations
