@@ -1,4 +1,4 @@
-"""The compressors adaptive bits hands the engine, beside the plain :mod:`actcore.compressors`.
+"""The compressors adaptive bits hands the stash, beside the plain :mod:`actcore.compressors`.
 
 * :class:`ScoredPerSampleQuantize`: per-sample bits with the samples ranked by given scores
   (the per-dataset-sample gradient weights of :mod:`actcore.adaptive`).
