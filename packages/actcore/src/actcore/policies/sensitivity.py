@@ -1,10 +1,4 @@
-"""Policies: how many bits each saved tensor gets (shared by both front doors).
-
-* :class:`FixedBits`: the same bits for every tensor (GACT's L1, L1.1, L1.2), or none (L0).
-* :class:`AutoPrecision`: per-tensor bits from measured sensitivity under an average-bits
-  budget (GACT's L2, L2.1, L2.2, L3).
-* :class:`ACGC`: per-tensor bits so that the predicted relative gradient error stays under a
-  bound (AC-GC).
+"""Sensitivity-estimated policies: :class:`AutoPrecision` (GACT) and :class:`ACGC` (AC-GC).
 
 Model of the gradient noise (linearised, as GACT and AC-GC analyse it): quantizing saved tensor
 ``l`` at ``b`` bits with stochastic rounding adds independent zero-mean noise whose variance is
@@ -30,146 +24,19 @@ import logging
 import math
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .bit_allocation import allocate
-from .ops.api import check_bits
-from .pass_stats import PassStats
+from ..bit_allocation import allocate
+from ..ops.api import check_bits
+from ..pass_stats import PassStats
+from .base import Policy
+
+__all__ = ["ACGC", "AdaptivePolicy", "AutoPrecision"]
 
 log = logging.getLogger("actcore")
-
-__all__ = [
-    "ACGC",
-    "HOOK_LEVELS",
-    "POLICY_OPTIONS",
-    "AdaptivePolicy",
-    "AutoPrecision",
-    "FixedBits",
-    "HookLevel",
-    "Policy",
-    "as_policy",
-    "build_policy",
-    "check_iteration",
-    "hook_level",
-    "make_policy",
-]
-
-
-# --------------------------------------------------------------------------------------------
-# Levels (GACT's)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HookLevel:
-    """One optimization level of the saved-tensor hooks route (``Controller(level=...)``)."""
-
-    name: str
-    bits: int | None  # fixed bits, or the average-bits budget when ``auto``; None: no compression
-    auto: bool = False  # per-tensor bits from sensitivity
-    swap: bool = False  # packed tensors moved to pinned CPU memory (GPU only)
-    summary: str = ""
-
-
-HOOK_LEVELS: dict[str, HookLevel] = {
-    lv.name: lv
-    for lv in (
-        HookLevel("L0", None, summary="no compression (gradients bitwise equal to no hooks)"),
-        HookLevel("L1", 4, summary="every saved activation at 4 bits"),
-        HookLevel("L1.1", 8, summary="every saved activation at 8 bits"),
-        HookLevel("L1.2", 2, summary="every saved activation at 2 bits"),
-        HookLevel("L2", 4, auto=True, summary="auto precision: 4 bits on average"),
-        HookLevel("L2.1", 3, auto=True, summary="auto precision: 3 bits on average"),
-        HookLevel("L2.2", 2, auto=True, summary="auto precision: 2 bits on average"),
-        HookLevel(
-            "L3",
-            4,
-            auto=True,
-            swap=True,
-            summary="auto precision, 4 bits on average, packed data swapped to pinned CPU memory",
-        ),
-    )
-}
-
-
-def hook_level(level: str | HookLevel) -> HookLevel:
-    """The :class:`HookLevel` named ``level``, or ValueError listing the valid names."""
-    if isinstance(level, HookLevel):
-        return level
-    try:
-        return HOOK_LEVELS[level]
-    except (KeyError, TypeError):
-        valid = ", ".join(HOOK_LEVELS)
-        raise ValueError(f"unknown level {level!r}; valid levels: {valid}") from None
-
-
-# --------------------------------------------------------------------------------------------
-# Base and fixed policies
-# --------------------------------------------------------------------------------------------
-
-
-class Policy:
-    """Decides the bits of each saved tensor, by key. ``None`` keeps a tensor uncompressed."""
-
-    name = "policy"
-    swap = False
-    compresses = True
-    adapt_interval = 0  # 0: never adapts
-
-    def bits_for(self, key: str) -> int | None:
-        raise NotImplementedError
-
-    def wants_adapt(self, iteration: int) -> bool:
-        return self.adapt_interval > 0 and iteration % self.adapt_interval == 0
-
-    def adapt(self, packer: Any, backprop: Callable[[], Any]) -> None:
-        """Re-estimate (adaptive policies); ``backprop`` runs forward and backward once."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"name": self.name}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict):
-            raise TypeError(f"a policy state must be a dict, got {type(state).__name__}")
-        if state.get("name", self.name) != self.name:
-            raise ValueError(f"state of a {state.get('name')!r} policy given to {self.name!r}")
-
-
-class FixedBits(Policy):
-    """The same number of bits for every floating saved tensor; ``bits=None``: none."""
-
-    name = "fixed"
-
-    def __init__(self, bits: int | None, *, swap: bool = False) -> None:
-        self.bits = None if bits is None else check_bits(bits)
-        self.swap = bool(swap)
-        self.compresses = bits is not None
-
-    def bits_for(self, key: str) -> int | None:
-        return self.bits
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "bits": self.bits}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        bits = state.get("bits", self.bits)
-        if bits != self.bits:
-            raise ValueError(
-                f"state of FixedBits(bits={bits!r}) given to FixedBits(bits={self.bits})"
-            )
-
-    def __repr__(self) -> str:
-        return f"FixedBits(bits={self.bits}, swap={self.swap})"
-
-
-# --------------------------------------------------------------------------------------------
-# Adaptive policies
-# --------------------------------------------------------------------------------------------
 
 
 def _seed(key: str, salt: int) -> int:
@@ -379,15 +246,6 @@ class AdaptivePolicy(Policy):
         self.predicted_error = float(predicted)
 
 
-def check_iteration(value: Any, who: str) -> int:
-    """An iteration count from a state: an int >= 0, else TypeError/ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{who} state iteration must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{who} state iteration must be >= 0, got {value}")
-    return int(value)
-
-
 def _mapping(state: dict[str, Any], key: str, who: str) -> dict:
     value = state.get(key, {})
     if not isinstance(value, dict):
@@ -492,64 +350,3 @@ class ACGC(AdaptivePolicy):
 
     def __repr__(self) -> str:
         return f"ACGC(error_bound={self.error_bound}, adapt_interval={self.adapt_interval})"
-
-
-# --------------------------------------------------------------------------------------------
-# Construction
-# --------------------------------------------------------------------------------------------
-
-_ADAPTIVE_KEYS = ("adapt_interval", "min_bits", "max_bits", "max_passes", "probe_bits", "swap")
-POLICY_OPTIONS = {
-    "fixed": ("bits", "swap"),
-    "auto": ("avg_bits", *_ADAPTIVE_KEYS),
-    "acgc": ("error_bound", "safety", *_ADAPTIVE_KEYS),
-}
-
-
-def make_policy(level: str | HookLevel = "L2", policy: Any = None, **overrides: Any) -> Policy:
-    """The policy of ``level``, or of ``policy`` (``"fixed"``, ``"auto"``, ``"acgc"`` or a
-    :class:`Policy`), with ``overrides`` (e.g. ``bits=3``, ``adapt_interval=100``)."""
-    if isinstance(policy, Policy):
-        if overrides:
-            raise TypeError(f"options {sorted(overrides)} cannot apply to a Policy instance")
-        return policy
-    lv = hook_level(level)
-    kind = policy if policy is not None else ("auto" if lv.auto else "fixed")
-    return build_policy(kind, overrides, bits=lv.bits, swap=lv.swap)
-
-
-def build_policy(
-    kind: Any, options: dict[str, Any], *, bits: int | None, swap: bool = False
-) -> Policy:
-    """A policy of ``kind`` (a key of :data:`POLICY_OPTIONS`) with ``options``, checked;
-    ``bits`` is the default of ``bits`` (fixed) and ``avg_bits`` (auto; 4 when None)."""
-    if kind not in POLICY_OPTIONS:
-        raise ValueError(f"unknown policy {kind!r}; valid: {', '.join(POLICY_OPTIONS)} or a Policy")
-    allowed = POLICY_OPTIONS[kind]
-    bad = sorted(set(options) - set(allowed))
-    if bad:
-        raise TypeError(f"unknown option(s) {bad} for policy {kind!r}; allowed: {list(allowed)}")
-    opts = {"swap": swap, **options}
-    if kind == "fixed":
-        return FixedBits(opts.pop("bits", bits), **opts)
-    if kind == "auto":
-        return AutoPrecision(opts.pop("avg_bits", bits or 4), **opts)
-    return ACGC(**opts)
-
-
-def as_policy(policy: Any) -> Policy:
-    """A :class:`Policy` from a Policy, a level name or a number of bits."""
-    if isinstance(policy, Policy):
-        return policy
-    if isinstance(policy, str) and policy in POLICY_OPTIONS:
-        return make_policy(policy=policy)
-    if isinstance(policy, (str, HookLevel)):
-        return make_policy(policy)
-    if isinstance(policy, int) and not isinstance(policy, bool):
-        return FixedBits(policy)
-    if policy is None:
-        return FixedBits(None)
-    raise TypeError(
-        f"policy must be a level name ({', '.join(HOOK_LEVELS)}), bits 1..8, None or a "
-        f"Policy, got {policy!r}"
-    )
