@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import two_iteration_runner
 from mmengine.hooks import Hook
 from mmengine.logging import MMLogger
 from mmengine.model import BaseModel
@@ -81,22 +82,16 @@ class RecordHook(Hook):
 
 
 def _runner(tmp_path: Path, model: nn.Module, hooks: list) -> Runner:
-    return Runner(
-        model=model,
-        work_dir=str(tmp_path),
-        experiment_name=f"act_mm_{tmp_path.name}",
-        train_dataloader=dict(
-            dataset=RandomImages(),
-            sampler=dict(type="DefaultSampler", shuffle=False),
-            batch_size=4,
-            num_workers=0,
-            collate_fn=dict(type="default_collate"),
-        ),
-        train_cfg=dict(by_epoch=False, max_iters=2),
-        optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1, momentum=0.9)),
-        default_hooks=dict(logger=dict(type="LoggerHook", interval=1), checkpoint=None),
-        custom_hooks=hooks,
-        default_scope="mmengine",
+    return two_iteration_runner(
+        tmp_path,
+        f"act_mm_{tmp_path.name}",
+        model,
+        RandomImages(),
+        batch_size=4,
+        collate="default_collate",
+        lr=0.1,
+        hooks=hooks,
+        scope="mmengine",
         log_level="INFO",
     )
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import two_iteration_runner
 from torch import nn
 
 import act_mm
@@ -222,7 +223,6 @@ def test_stock_weights_load_and_forward_is_unchanged(name):
 def test_two_training_iterations_through_mmengine(name, tmp_path):
     case = CASES[name]
     _require(case)
-    from mmengine.runner import Runner
     from torch.utils.data import Dataset
 
     cfg = _cfg(str(CONFIGS / case.config))
@@ -236,22 +236,16 @@ def test_two_training_iterations_through_mmengine(name, tmp_path):
         def __getitem__(self, i: int) -> dict:
             return items[i]
 
-    runner = Runner(
-        model=cfg.model,
-        work_dir=str(tmp_path),
-        experiment_name=f"act_mm_{name}_{tmp_path.name}",
-        train_dataloader=dict(
-            dataset=Items(),
-            sampler=dict(type="DefaultSampler", shuffle=False),
-            batch_size=2,
-            num_workers=0,
-            collate_fn=dict(type=collate),
-        ),
-        train_cfg=dict(by_epoch=False, max_iters=2),
-        optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.01, momentum=0.9)),
-        default_hooks=dict(logger=dict(type="LoggerHook", interval=1), checkpoint=None),
-        custom_hooks=cfg.custom_hooks,
-        default_scope=case.package,
+    runner = two_iteration_runner(
+        tmp_path,
+        f"act_mm_{name}_{tmp_path.name}",
+        cfg.model,
+        Items(),
+        batch_size=2,
+        collate=collate,
+        lr=0.01,
+        hooks=cfg.custom_hooks,
+        scope=case.package,
     )
     model = runner.model
     before = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}

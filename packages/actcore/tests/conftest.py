@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -12,6 +13,9 @@ from torch import Tensor, nn
 
 from actcore import cli
 from actcore.config import config
+
+if TYPE_CHECKING:
+    from actcore.controller import Controller
 
 
 @pytest.fixture
@@ -67,6 +71,28 @@ def flat_grad(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     model.zero_grad()
     F.cross_entropy(model(x), y).backward()
     return flat([p.grad for p in model.parameters()])
+
+
+def cross_entropy_backprop(model: nn.Module, x: Tensor, y: Tensor) -> Callable[[], Tensor]:
+    """A ``backprop`` for :meth:`Controller.iterate`: the cross-entropy of ``model(x)``
+    against ``y`` backpropagated from zeroed gradients (returns the loss)."""
+
+    def backprop() -> Tensor:
+        model.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    return backprop
+
+
+def train_iterations(c: Controller, backprop: Callable[[], object], iterations: int = 1) -> None:
+    """``iterations`` iterations under ``c``'s hooks, each ``backprop()`` then
+    ``c.iterate(backprop)`` (which adapts the bits when due), without an optimizer step."""
+    with c:
+        for _ in range(iterations):
+            backprop()
+            c.iterate(backprop)
 
 
 def bn_mlp() -> nn.Sequential:

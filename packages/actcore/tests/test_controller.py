@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import cross_entropy_backprop, train_iterations
 from torch import nn
 
 import actcore
@@ -17,16 +18,6 @@ def _mlp() -> nn.Module:
     return nn.Sequential(
         nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 4)
     )
-
-
-def _backprop(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    def backprop() -> torch.Tensor:
-        model.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-
-    return backprop
 
 
 def test_levels_map_to_policies() -> None:
@@ -98,12 +89,9 @@ def test_parameters_and_buffers_never_compressed_after_to() -> None:
 def test_state_dict_round_trip_resumes_same_plan() -> None:
     model = _mlp()
     x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
-    backprop = _backprop(model, x, y)
+    backprop = cross_entropy_backprop(model, x, y)
     c = Controller(model, "L2.1", adapt_interval=3, min_numel=1)
-    with c:
-        for _ in range(4):  # adapts at iteration 0 and 3
-            backprop()
-            c.iterate(backprop)
+    train_iterations(c, backprop, 4)  # adapts at iteration 0 and 3
     plan = c.bit_plan
     assert plan and c.iteration == 4 and c.policy.estimates == 2
     state = c.state_dict()
@@ -124,7 +112,7 @@ def test_state_dict_round_trip_resumes_same_plan() -> None:
 def test_iterate_restores_gradients_and_rng() -> None:
     model = nn.Sequential(nn.Linear(32, 128), nn.Dropout(0.3), nn.GELU(), nn.Linear(128, 4))
     x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
-    backprop = _backprop(model, x, y)
+    backprop = cross_entropy_backprop(model, x, y)
     with Controller(model, "L2", min_numel=1) as c:
         backprop()
         grads = [p.grad.clone() for p in model.parameters()]
@@ -239,12 +227,8 @@ def test_keys_name_modules_not_forward_order() -> None:
 def test_keys_outside_the_model_are_stable_across_iterations() -> None:
     model = _mlp()
     x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
-    backprop = _backprop(model, x, y)
     c = Controller(model, "L2", adapt_interval=2, min_numel=1)
-    with c:
-        for _ in range(3):  # adapts at iterations 0 and 2
-            backprop()
-            c.iterate(backprop)
+    train_iterations(c, cross_entropy_backprop(model, x, y), 3)  # adapts at iterations 0 and 2
     outside = [k for k in c.bit_plan if k.startswith("<outside>")]
     assert outside and all(int(k.split(":")[1]) < 4 for k in outside)  # the loss's saves
     assert len(c.bit_plan) == len(c.policy.sensitivity)  # same keys in both estimates

@@ -189,14 +189,14 @@ def test_q_layer_constructed_directly() -> None:
 # --- in-place ReLU after conv / BN -----------------------------------------------------------
 
 
-def _conv_bn_relu() -> nn.Sequential:
+def _conv_bn_relu(inplace: bool = True) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1),
         nn.BatchNorm2d(8),
-        nn.ReLU(inplace=True),
+        nn.ReLU(inplace=inplace),
         nn.Conv2d(8, 8, 3, padding=1),
-        nn.ReLU(inplace=True),
+        nn.ReLU(inplace=inplace),
         nn.Conv2d(8, 4, 1),
     )
 
@@ -215,10 +215,7 @@ def test_inplace_relu_compressed_gradients_match_out_of_place(level: str) -> Non
     x = torch.randn(2, 3, 8, 8)
     results = []
     for inplace in (True, False):
-        model = _conv_bn_relu()
-        for m in model:
-            if isinstance(m, nn.ReLU):
-                m.inplace = inplace
+        model = _conv_bn_relu(inplace)
         actcore.convert(model, level=level)
         torch.manual_seed(5)
         ops.reset_seed_stream()
@@ -233,10 +230,7 @@ def test_inplace_relu_memory_not_counted_twice(level: str) -> None:
     x = torch.randn(4, 3, 16, 16)
     retained = {}
     for inplace in (True, False):
-        model = _conv_bn_relu()
-        for m in model:
-            if isinstance(m, nn.ReLU):
-                m.inplace = inplace
+        model = _conv_bn_relu(inplace)
         actcore.convert(model, level=level)
         with memory.track(model) as report:
             out = model(x.requires_grad_(False))

@@ -170,25 +170,28 @@ def test_shapes_of_a_tensor_past_2_31_elements_without_allocating_it():
         assert y.shape == x.shape and y.dtype == torch.bfloat16
 
 
+def _whole_and_tiled(monkeypatch, x, bits: int, group_size: int, seed: int, block: int):
+    """``ops.quantize(x, ...)`` in one block, then in blocks of ``block`` elements; asserts
+    both hold the same tensors and returns both."""
+    whole = ops.quantize(x, bits, group_size=group_size, seed=seed)
+    monkeypatch.setattr(quantization, "BLOCK_ELEMENTS", block)
+    tiled = ops.quantize(x, bits, group_size=group_size, seed=seed)
+    for a, b in zip(whole.tensors(), tiled.tensors(), strict=True):
+        assert torch.equal(a, b)
+    return whole, tiled
+
+
 def test_blocked_processing_equals_one_block(monkeypatch):
     """Rows longer than a block are cut into column tiles: the result must not change."""
     torch.manual_seed(2)
     x = torch.randn(3, 5000)
-    whole = ops.quantize(x, 3, group_size=64, seed=9)
-    monkeypatch.setattr(quantization, "BLOCK_ELEMENTS", 256)
-    tiled = ops.quantize(x, 3, group_size=64, seed=9)
-    for a, b in zip(whole.tensors(), tiled.tensors(), strict=True):
-        assert torch.equal(a, b)
+    whole, tiled = _whole_and_tiled(monkeypatch, x, 3, group_size=64, seed=9, block=256)
     assert torch.equal(ops.dequantize(tiled), ops.dequantize(whole))
 
 
 def test_row_tiles_equal_one_block(monkeypatch):
     x = torch.randn(50, 30)
-    whole = ops.quantize(x, 2, group_size=8, seed=4)
-    monkeypatch.setattr(quantization, "BLOCK_ELEMENTS", 100)
-    tiled = ops.quantize(x, 2, group_size=8, seed=4)
-    for a, b in zip(whole.tensors(), tiled.tensors(), strict=True):
-        assert torch.equal(a, b)
+    _whole_and_tiled(monkeypatch, x, 2, group_size=8, seed=4, block=100)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 8])

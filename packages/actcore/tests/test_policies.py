@@ -8,8 +8,7 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import flat_grad
+from conftest import cross_entropy_backprop, flat_grad, train_iterations
 from torch import nn
 
 from actcore.controller import Controller
@@ -93,14 +92,7 @@ def test_auto_precision_predicts_measured_error_and_keeps_budget() -> None:
     model = _mlp()
     x, y = _data()
     c = Controller(model, "L2.1", min_numel=1, max_passes=16)
-
-    def backprop() -> None:
-        model.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-
-    with c:
-        backprop()
-        c.iterate(backprop)
+    train_iterations(c, cross_entropy_backprop(model, x, y))
     policy = c.policy
     assert isinstance(policy, AutoPrecision) and policy.estimates == 1
     assert policy.average_bits() <= 3.0 + 1e-9
@@ -115,14 +107,7 @@ def test_acgc_measured_gradient_error_below_bound(bound: float) -> None:
     model = _mlp()
     x, y = _data()
     c = Controller(model, policy="acgc", error_bound=bound, min_numel=1)
-
-    def backprop() -> None:
-        model.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-
-    with c:
-        backprop()
-        c.iterate(backprop)
+    train_iterations(c, cross_entropy_backprop(model, x, y))
     policy = c.policy
     assert isinstance(policy, ACGC)
     assert policy.predicted_error <= bound
@@ -138,14 +123,7 @@ def test_acgc_tighter_bound_needs_more_bits() -> None:
     for bound in (0.2, 0.02):
         model = _mlp()
         c = Controller(model, policy="acgc", error_bound=bound, min_numel=1)
-
-        def backprop(model: nn.Module = model) -> None:
-            model.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-
-        with c:
-            backprop()
-            c.iterate(backprop)
+        train_iterations(c, cross_entropy_backprop(model, x, y))
         avg.append(c.policy.average_bits())
     assert avg[0] < avg[1]
 

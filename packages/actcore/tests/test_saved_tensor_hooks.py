@@ -45,31 +45,29 @@ def test_bert_shaped_encoder_l12_keeps_10x_fewer_bytes() -> None:
     del out
 
 
-def test_l0_gradients_bitwise_equal() -> None:
+def _encoder_grads(seq_len: int, level: str, **options) -> tuple[list, list]:
+    """A seeded small encoder's gradients of ``model(x).square().mean()``, exact and with
+    the saved tensors compressed at ``level`` (``options`` go to the hooks)."""
     torch.manual_seed(0)
     model = _encoder(64, 4, 128, 2)
-    x = torch.randn(4, 16, 64)
+    x = torch.randn(4, seq_len, 64)
 
     def step() -> None:
         model(x).square().mean().backward()
 
     exact = _grads(model, step)
-    with compress_saved_tensors("L0", model=model):
+    with compress_saved_tensors(level, model=model, **options):
         hooked = _grads(model, step)
+    return exact, hooked
+
+
+def test_l0_gradients_bitwise_equal() -> None:
+    exact, hooked = _encoder_grads(16, "L0")
     assert all(torch.equal(a, b) for a, b in zip(exact, hooked, strict=True))
 
 
 def test_eight_bit_gradients_cosine() -> None:
-    torch.manual_seed(0)
-    model = _encoder(64, 4, 128, 2)
-    x = torch.randn(4, 32, 64)
-
-    def step() -> None:
-        model(x).square().mean().backward()
-
-    exact = _grads(model, step)
-    with compress_saved_tensors("L1.1", model=model, min_numel=64):
-        hooked = _grads(model, step)
+    exact, hooked = _encoder_grads(32, "L1.1", min_numel=64)
     assert grad_cosine(exact, hooked) >= 0.99
 
 

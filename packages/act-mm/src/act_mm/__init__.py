@@ -10,19 +10,11 @@ no-op.
 
 from __future__ import annotations
 
+from . import layers
 from .hooks import ACTConvertHook
-from .layers import (
-    QGELU,
-    QGN,
-    QLN,
-    QBatchNormXd,
-    QBN1d,
-    QBN2d,
-    QBN3d,
-    QSigmoid,
-    QSyncBN,
-    QTanh,
-)
+
+# the builder-convention Q-layers: everything act_mm.layers exports is act_mm's own
+from .layers import *  # noqa: F403
 from .registry import REGISTERED, register_layers
 from .train import config_path, shipped_configs
 
@@ -31,20 +23,11 @@ __version__ = "0.1.0"
 register_layers()
 
 __all__ = [
-    "QGELU",
-    "QGN",
-    "QLN",
     "REGISTERED",
     "ACTConvertHook",
-    "QBN1d",
-    "QBN2d",
-    "QBN3d",
-    "QBatchNormXd",
-    "QSigmoid",
-    "QSyncBN",
-    "QTanh",
     "__version__",
     "config_path",
     "register_layers",
     "shipped_configs",
 ]
+__all__ += layers.__all__

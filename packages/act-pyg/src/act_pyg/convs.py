@@ -99,6 +99,34 @@ class QMessagePassing:
         return super().forward(*args, **kwargs)  # type: ignore[misc]
 
 
+def _unit_path(conv: MessagePassing, x: Any, edge_index: Any, size: Any) -> bool:
+    """Whether a SAGE or GIN call takes the compressed unit-weight aggregation: node
+    features ``x`` as one 2-D tensor, a plain or adjacency ``edge_index``, no ``size``,
+    a linear aggregation, nothing at run time against it."""
+    return (
+        isinstance(x, Tensor)
+        and x.dim() == 2
+        and size is None
+        and (_plain_index(edge_index) or _adjacency(edge_index, conv.flow))
+        and conv.aggr in LINEAR_AGGRS
+        and not conv._runtime_reason()
+    )
+
+
+def _unit_aggregate(conv: MessagePassing, x: Tensor, edge_index: Any) -> Tensor:
+    """``x`` summed or averaged over each node's neighbours with unit weights (SAGE, GIN),
+    backward keeping only the shared edge index."""
+    graph, forward_index = _unit_graph(x, edge_index)
+    return LinearAggregation.apply(
+        x,
+        conv,
+        graph,
+        conv.aggr == "mean",
+        conv.flow,
+        lambda t: conv.propagate(forward_index, x=(t, t), size=None),
+    )
+
+
 def _pending_backward(module: torch.nn.Module, x: Any) -> bool:
     """Whether autograd will want a backward through this call (else: the stock forward)."""
     xs = x if isinstance(x, (tuple, list)) else (x,)
@@ -195,28 +223,14 @@ class QSAGEConv(QMessagePassing, SAGEConv):
         if not _pending_backward(self, x):
             return super().forward(x, edge_index, size)
         if (
-            not isinstance(x, Tensor)
-            or x.dim() != 2
-            or size is not None
-            or not (_plain_index(edge_index) or _adjacency(edge_index, self.flow))
+            not _unit_path(self, x, edge_index, size)
             or self.project
             or self.normalize
-            or self.aggr not in LINEAR_AGGRS
             or _lazy(self.lin_l)
             or (self.root_weight and _lazy(self.lin_r))
-            or self._runtime_reason()
         ):
             return self._stock(x, edge_index, size)
-        graph, forward_index = _unit_graph(x, edge_index)
-        agg = LinearAggregation.apply(
-            x,
-            self,
-            graph,
-            self.aggr == "mean",
-            self.flow,
-            lambda t: self.propagate(forward_index, x=(t, t), size=None),
-        )
-        out = linear(self, self.lin_l, agg)
+        out = linear(self, self.lin_l, _unit_aggregate(self, x, edge_index))
         if self.root_weight:
             out = out + linear(self, self.lin_r, x)
         return out
@@ -229,25 +243,9 @@ class QGINConv(QMessagePassing, GINConv):
     def forward(self, x: Any, edge_index: Any, size: Any = None) -> Tensor:
         if not _pending_backward(self, x):
             return super().forward(x, edge_index, size)
-        if (
-            not isinstance(x, Tensor)
-            or x.dim() != 2
-            or size is not None
-            or not (_plain_index(edge_index) or _adjacency(edge_index, self.flow))
-            or self.aggr not in LINEAR_AGGRS
-            or self._runtime_reason()
-        ):
+        if not _unit_path(self, x, edge_index, size):
             return self._stock(x, edge_index, size)
-        graph, forward_index = _unit_graph(x, edge_index)
-        out = LinearAggregation.apply(
-            x,
-            self,
-            graph,
-            self.aggr == "mean",
-            self.flow,
-            lambda t: self.propagate(forward_index, x=(t, t), size=None),
-        )
-        out = out + (1 + self.eps) * x
+        out = _unit_aggregate(self, x, edge_index) + (1 + self.eps) * x
         return self.nn(out)
 
 

@@ -18,9 +18,21 @@ nowhere to go, so there L4/L5 store exactly what L3 stores and ``swap`` what L0 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
-__all__ = ["LEVELS", "Config", "LevelSpec", "config", "level_spec", "set_optimization_level"]
+__all__ = [
+    "LEVELS",
+    "Config",
+    "LevelSpec",
+    "config",
+    "level_spec",
+    "lookup_level",
+    "set_optimization_level",
+]
+
+_Level = TypeVar("_Level")
 
 _SAME = -1  # a per-kind bits field that follows another one (see LevelSpec)
 
@@ -128,13 +140,22 @@ def level_spec(level: str | LevelSpec) -> LevelSpec:
 
     The layer route's resolver: it knows :data:`LEVELS` only (a hooks-route name such as
     ``"L1.2"`` is an unknown level here, see :func:`actcore.policies.hook_level`)."""
-    if isinstance(level, LevelSpec):
+    return lookup_level(LEVELS, level, LevelSpec, "optimization level")
+
+
+def lookup_level(
+    table: Mapping[str, _Level], level: object, kind: type[_Level], what: str
+) -> _Level:
+    """``level`` itself when it is a ``kind``, else ``table[level]``; an unknown name is a
+    ValueError naming it (as a ``what``) and the valid ones. What each route's resolver
+    does with its own table: :func:`level_spec` here, the hooks route's ``hook_level``."""
+    if isinstance(level, kind):
         return level
     try:
-        return LEVELS[level]
+        return table[level]  # type: ignore[index]
     except (KeyError, TypeError):
-        valid = ", ".join(LEVELS)
-        raise ValueError(f"unknown optimization level {level!r}; valid levels: {valid}") from None
+        valid = ", ".join(table)
+        raise ValueError(f"unknown {what} {level!r}; valid levels: {valid}") from None
 
 
 @dataclass

@@ -231,16 +231,11 @@ def _validate(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     cfg = report.config_from_args(AccuracyConfig, args)
-
-    def runner(rows: list[dict[str, Any]]) -> None:
-        total = len(cfg.levels) * cfg.seeds
-        with report.progress(total, "accuracy", enabled=not args.quiet) as advance:
-            run(cfg, rows, advance)
-
-    return report.run_guarded(
+    return report.run_with_progress(
         "accuracy",
-        runner,
+        args,
+        len(cfg.levels) * cfg.seeds,
+        lambda rows, advance: run(cfg, rows, advance),
         config=asdict(cfg),
-        json_path=args.json,
         show=lambda rows: show(cfg, rows),
     )

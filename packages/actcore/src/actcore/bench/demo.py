@@ -94,11 +94,9 @@ def main(args: argparse.Namespace) -> int:
     mem_cfg, acc_cfg = configs(args)
     t0 = time.perf_counter()
 
-    def runner(rows: list[dict[str, Any]]) -> None:
-        total = len(mem_cfg.resolved_levels()) + len(acc_cfg.levels) * acc_cfg.seeds
-        with report.progress(total, "demo", enabled=not args.quiet) as advance:
-            memory.run(mem_cfg, rows, advance)
-            accuracy.run(acc_cfg, rows, advance)
+    def run(rows: list[dict[str, Any]], advance: Callable[..., None]) -> None:
+        memory.run(mem_cfg, rows, advance)
+        accuracy.run(acc_cfg, rows, advance)
 
     def show(rows: list[dict[str, Any]]) -> None:
         mem_rows = [r for r in rows if r["benchmark"] == "memory"]
@@ -119,10 +117,11 @@ def main(args: argparse.Namespace) -> int:
             out.print(line)
         out.print(f"(demo took {time.perf_counter() - t0:.0f} s; more: actcore bench --help)")
 
-    return report.run_guarded(
+    return report.run_with_progress(
         "demo",
-        runner,
+        args,
+        len(mem_cfg.resolved_levels()) + len(acc_cfg.levels) * acc_cfg.seeds,
+        run,
         config={"memory": asdict(mem_cfg), "accuracy": asdict(acc_cfg)},
-        json_path=args.json,
         show=show,
     )

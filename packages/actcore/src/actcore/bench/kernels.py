@@ -165,16 +165,11 @@ def main(args: argparse.Namespace) -> int:
     title = (
         f"actcore.ops on {torch.cuda.get_device_name(device)}, {cfg.dtype}, group {cfg.group_size}"
     )
-
-    def runner(rows: list[dict[str, Any]]) -> None:
-        total = len(cfg.sizes) * len(cfg.bits)
-        with report.progress(total, "kernels", enabled=not args.quiet) as advance:
-            run(cfg, rows, advance)
-
-    return report.run_guarded(
+    return report.run_with_progress(
         "kernels",
-        runner,
+        args,
+        len(cfg.sizes) * len(cfg.bits),
+        lambda rows, advance: run(cfg, rows, advance),
         config=asdict(cfg),
-        json_path=args.json,
         show=lambda rows: report.console().print(report.table(title, COLUMNS, rows)),
     )

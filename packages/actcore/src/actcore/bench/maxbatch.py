@@ -204,15 +204,11 @@ def main(args: argparse.Namespace) -> int:
         f"{cfg.model}, {cfg.image_size or default_image_size(cfg.model)}px, route {cfg.route}: "
         f"largest batch on {torch.cuda.get_device_name(device)}"
     )
-
-    def runner(rows: list[dict[str, Any]]) -> None:
-        with report.progress(len(cfg.levels), "max-batch", enabled=not args.quiet) as advance:
-            run(cfg, rows, advance)
-
-    return report.run_guarded(
+    return report.run_with_progress(
         "max-batch",
-        runner,
+        args,
+        len(cfg.levels),
+        lambda rows, advance: run(cfg, rows, advance),
         config=asdict(cfg),
-        json_path=args.json,
         show=lambda rows: report.console().print(report.table(title, COLUMNS, rows)),
     )

@@ -263,16 +263,11 @@ def show(cfg: MemoryConfig, rows: list[dict[str, Any]]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     cfg = report.config_from_args(MemoryConfig, args)
-    levels = cfg.resolved_levels()
-
-    def runner(rows: list[dict[str, Any]]) -> None:
-        with report.progress(len(levels), "memory", enabled=not args.quiet) as advance:
-            run(cfg, rows, advance)
-
-    return report.run_guarded(
+    return report.run_with_progress(
         "memory",
-        runner,
+        args,
+        len(cfg.resolved_levels()),
+        lambda rows, advance: run(cfg, rows, advance),
         config=asdict(cfg),
-        json_path=args.json,
         show=lambda rows: show(cfg, rows),
     )

@@ -2,7 +2,8 @@
 
 Every JSON result is ``{"benchmark", "machine", "torch", "date", "command", "config",
 "partial", "rows": [...]}``. :func:`run_guarded` runs a benchmark so that Ctrl-C keeps what
-was measured so far (table and JSON, ``"partial": true``) and exits 130.
+was measured so far (table and JSON, ``"partial": true``) and exits 130;
+:func:`run_with_progress` does so under a progress bar, as the benchmarks' ``main`` does.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ __all__ = [
     "progress",
     "result",
     "run_guarded",
+    "run_with_progress",
     "table",
     "write_json",
 ]
@@ -345,3 +347,22 @@ def run_guarded(
         )
         return EXIT_INTERRUPTED
     return 0
+
+
+def run_with_progress(
+    benchmark: str,
+    args: argparse.Namespace,
+    total: int,
+    run: Callable[[list[dict[str, Any]], Callable[..., None]], None],
+    *,
+    config: dict[str, Any],
+    show: Callable[[list[dict[str, Any]]], None],
+) -> int:
+    """:func:`run_guarded` of ``run(rows, advance)`` under a :func:`progress` bar of ``total``
+    steps (none with ``--quiet``), the rows written to ``--json`` when given."""
+
+    def runner(rows: list[dict[str, Any]]) -> None:
+        with progress(total, benchmark, enabled=not args.quiet) as advance:
+            run(rows, advance)
+
+    return run_guarded(benchmark, runner, config=config, json_path=args.json, show=show)

@@ -186,10 +186,11 @@ def main(args: argparse.Namespace) -> int:
             path = plot(cfg, rows, args.png)
             report.console(stderr=True).print(f"wrote {path}")
 
-    def runner(rows: list[dict[str, Any]]) -> None:
-        total = len(cfg.levels) * len(cfg.batches)
-        with report.progress(total, "sweep", enabled=not args.quiet) as advance:
-            run(cfg, rows, advance)
-
-    config = asdict(cfg) | {"png": args.png}
-    return report.run_guarded("sweep", runner, config=config, json_path=args.json, show=show)
+    return report.run_with_progress(
+        "sweep",
+        args,
+        len(cfg.levels) * len(cfg.batches),
+        lambda rows, advance: run(cfg, rows, advance),
+        config=asdict(cfg) | {"png": args.png},
+        show=show,
+    )

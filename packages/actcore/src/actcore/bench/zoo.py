@@ -280,32 +280,31 @@ def _validate(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg = report.config_from_args(ZooConfig, args)
 
-    def runner(rows: list[dict[str, Any]]) -> None:
-        total = len(cfg.models) * (1 + len(cfg.levels))
-        with report.progress(total, "zoo", enabled=not args.quiet) as advance:
-            for name in cfg.models:
-                try:
-                    rows.extend(
-                        measure_model(
-                            name,
-                            cfg.levels,
-                            batch=cfg.batch,
-                            image_size=cfg.image_size,
-                            steps=cfg.steps,
-                            seed=cfg.seed,
-                            compile=cfg.compile,
-                            advance=advance,
-                        )
+    def measure(rows: list[dict[str, Any]], advance: Callable[..., None]) -> None:
+        for name in cfg.models:
+            try:
+                rows.extend(
+                    measure_model(
+                        name,
+                        cfg.levels,
+                        batch=cfg.batch,
+                        image_size=cfg.image_size,
+                        steps=cfg.steps,
+                        seed=cfg.seed,
+                        compile=cfg.compile,
+                        advance=advance,
                     )
-                except Exception as err:  # e.g. an input too small for it: a row says so
-                    rows.append({"benchmark": "zoo", "model": name, "error": str(err)[:200]})
+                )
+            except Exception as err:  # e.g. an input too small for it: a row says so
+                rows.append({"benchmark": "zoo", "model": name, "error": str(err)[:200]})
 
     how = f", compiled ({cfg.compile})" if cfg.compile else ""
     title = f"torchvision zoo, batch {cfg.batch}{how}: activation memory, forward, gradient, time"
-    return report.run_guarded(
+    return report.run_with_progress(
         "zoo",
-        runner,
+        args,
+        len(cfg.models) * (1 + len(cfg.levels)),
+        measure,
         config=asdict(cfg),
-        json_path=args.json,
         show=lambda rows: report.console().print(report.table(title, columns(), rows)),
     )

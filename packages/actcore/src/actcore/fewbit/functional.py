@@ -184,40 +184,6 @@ def gelu(input: Tensor, approximate: str = "none", bits: int = DEFAULT_BITS) -> 
     return _continuous(input, "gelu", fwd, bits, approximate=approximate)
 
 
-def hardswish(input: Tensor, inplace: bool = False, bits: int = DEFAULT_BITS) -> Tensor:
-    """:func:`torch.nn.functional.hardswish` with a ``bits``-bit derivative."""
-    fwd = functools.partial(F.hardswish, inplace=inplace)
-    return _continuous(input, "hardswish", fwd, bits, inplace)
-
-
-def logsigmoid(input: Tensor, bits: int = DEFAULT_BITS) -> Tensor:
-    """:func:`torch.nn.functional.logsigmoid` with a ``bits``-bit derivative."""
-    return _continuous(input, "logsigmoid", F.logsigmoid, bits)
-
-
-def mish(input: Tensor, inplace: bool = False, bits: int = DEFAULT_BITS) -> Tensor:
-    """:func:`torch.nn.functional.mish` with a ``bits``-bit derivative."""
-    fwd = functools.partial(F.mish, inplace=inplace)
-    return _continuous(input, "mish", fwd, bits, inplace)
-
-
-def selu(input: Tensor, inplace: bool = False, bits: int = DEFAULT_BITS) -> Tensor:
-    """:func:`torch.nn.functional.selu` with a ``bits``-bit derivative."""
-    fwd = functools.partial(F.selu, inplace=inplace)
-    return _continuous(input, "selu", fwd, bits, inplace)
-
-
-def sigmoid(input: Tensor, bits: int = DEFAULT_BITS) -> Tensor:
-    """:func:`torch.sigmoid` with a ``bits``-bit derivative."""
-    return _continuous(input, "sigmoid", torch.sigmoid, bits)
-
-
-def silu(input: Tensor, inplace: bool = False, bits: int = DEFAULT_BITS) -> Tensor:
-    """:func:`torch.nn.functional.silu` with a ``bits``-bit derivative."""
-    fwd = functools.partial(F.silu, inplace=inplace)
-    return _continuous(input, "silu", fwd, bits, inplace)
-
-
 def softplus(
     input: Tensor, beta: float = 1.0, threshold: float = 20.0, bits: int = DEFAULT_BITS
 ) -> Tensor:
@@ -226,16 +192,36 @@ def softplus(
     return _continuous(input, "softplus", fwd, bits, beta=beta, threshold=threshold)
 
 
-def softsign(input: Tensor, bits: int = DEFAULT_BITS) -> Tensor:
-    """:func:`torch.nn.functional.softsign` with a ``bits``-bit derivative."""
-    return _continuous(input, "softsign", F.softsign, bits)
+# Continuous, with no parameter but ``inplace`` (or none): one definition for each kind.
 
 
-def tanh(input: Tensor, bits: int = DEFAULT_BITS) -> Tensor:
-    """:func:`torch.tanh` with a ``bits``-bit derivative."""
-    return _continuous(input, "tanh", torch.tanh, bits)
+def _with_inplace(name: str, forward: Callable[..., Tensor], doc: str) -> Callable[..., Tensor]:
+    def activation(input: Tensor, inplace: bool = False, bits: int = DEFAULT_BITS) -> Tensor:
+        fwd = functools.partial(forward, inplace=inplace)
+        return _continuous(input, name, fwd, bits, inplace)
+
+    return _named(activation, name, doc)
 
 
-def tanhshrink(input: Tensor, bits: int = DEFAULT_BITS) -> Tensor:
-    """:func:`torch.nn.functional.tanhshrink` with a ``bits``-bit derivative."""
-    return _continuous(input, "tanhshrink", F.tanhshrink, bits)
+def _plain(name: str, forward: Callable[[Tensor], Tensor], doc: str) -> Callable[..., Tensor]:
+    def activation(input: Tensor, bits: int = DEFAULT_BITS) -> Tensor:
+        return _continuous(input, name, forward, bits)
+
+    return _named(activation, name, doc)
+
+
+def _named(fn: Callable[..., Tensor], name: str, doc: str) -> Callable[..., Tensor]:
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = f":func:`{doc}` with a ``bits``-bit derivative."
+    return fn
+
+
+hardswish = _with_inplace("hardswish", F.hardswish, "torch.nn.functional.hardswish")
+logsigmoid = _plain("logsigmoid", F.logsigmoid, "torch.nn.functional.logsigmoid")
+mish = _with_inplace("mish", F.mish, "torch.nn.functional.mish")
+selu = _with_inplace("selu", F.selu, "torch.nn.functional.selu")
+sigmoid = _plain("sigmoid", torch.sigmoid, "torch.sigmoid")
+silu = _with_inplace("silu", F.silu, "torch.nn.functional.silu")
+softsign = _plain("softsign", F.softsign, "torch.nn.functional.softsign")
+tanh = _plain("tanh", torch.tanh, "torch.tanh")
+tanhshrink = _plain("tanhshrink", F.tanhshrink, "torch.nn.functional.tanhshrink")

@@ -158,14 +158,41 @@ def _register_kernels(
             raise NativeBuildError(f"the {what} registered no {key} kernel for {missing}")
 
 
-def _warn_unavailable(what: str, exc: Exception, hint: str, stacklevel: int) -> None:
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    warnings.warn(
-        f"actcore: {what} unavailable ({type(exc).__name__}: {first_line}); using the PyTorch "
-        f"reference implementation. {hint}",
-        NativeUnavailableWarning,
-        stacklevel=stacklevel + 1,
-    )
+def _failed(
+    state: _State | _CpuState, what: str, exc: Exception, hint: str, warn: bool, stacklevel: int
+) -> bool:
+    """Remember why loading ``what`` failed in ``state``; warn when ``warn`` (``stacklevel``
+    counts from the caller, as for :func:`warnings.warn`). Returns False."""
+    state.error = f"{type(exc).__name__}: {exc}"
+    if warn:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        warnings.warn(
+            f"actcore: {what} unavailable ({type(exc).__name__}: {first_line}); using the "
+            f"PyTorch reference implementation. {hint}",
+            NativeUnavailableWarning,
+            stacklevel=stacklevel + 1,
+        )
+    return False
+
+
+def _load_once(
+    state: _State | _CpuState,
+    on: str,
+    off: Callable[[], bool],
+    why_off: str,
+    load: Callable[[bool], bool],
+    warn: bool,
+) -> bool:
+    """Run ``load(warn)`` on the first call, unless ``off()`` (``why_off`` is then the error);
+    return whether the kernels are on (``state.<on>``) on every later call."""
+    with state.lock:
+        if state.attempted:
+            return getattr(state, on)
+        state.attempted = True
+        if off():
+            state.error = why_off
+            return False
+        return load(warn)
 
 
 def register(library: str | os.PathLike) -> None:
@@ -185,30 +212,25 @@ def load(*, warn: bool = True) -> bool:
     True when the kernels are registered. Never raises: a failure is remembered (see
     :func:`status`), warned about once when ``warn``, and the reference path stays.
     """
-    state = _STATE
-    with state.lock:
-        if state.attempted:
-            return state.loaded
-        state.attempted = True
-        if disabled():
-            state.error = "turned off by ACTCORE_NATIVE"
-            return False
-        try:
-            from . import build
+    return _load_once(_STATE, "loaded", disabled, "turned off by ACTCORE_NATIVE", _load, warn)
 
-            plan = build.plan_build()
-            state.arches = plan.arches
-            path = build.build(plan)
-            register(path)
-        except Exception as exc:  # any failure: stay on the reference path
-            state.error = f"{type(exc).__name__}: {exc}"
-            if warn:
-                hint = "`actcore native status` and `actcore native build --check` say more."
-                _warn_unavailable("CUDA kernels", exc, hint, stacklevel=3)
-            return False
-        state.loaded = True
-        state.library = Path(path)
-        return True
+
+def _load(warn: bool) -> bool:
+    """Build (when not cached), load and register the CUDA kernels; False on any failure."""
+    state = _STATE
+    try:
+        from . import build
+
+        plan = build.plan_build()
+        state.arches = plan.arches
+        path = build.build(plan)
+        register(path)
+    except Exception as exc:  # any failure: stay on the reference path
+        hint = "`actcore native status` and `actcore native build --check` say more."
+        return _failed(state, "CUDA kernels", exc, hint, warn, stacklevel=5)
+    state.loaded = True
+    state.library = Path(path)
+    return True
 
 
 def loaded() -> bool:
@@ -252,7 +274,7 @@ def _register_cpu(lib: ctypes.CDLL) -> None:
     _register_kernels(lib.actcore_cpu_register, "CPU kernels", "CPU", lib.actcore_cpu_unregister)
 
 
-def _load_cpu(warn: bool) -> bool:
+def _load_cpu(warn: bool, stacklevel: int = 5) -> bool:
     """Build (when not cached), load and register the CPU kernels; False on any failure."""
     state = _CPU_STATE
     try:
@@ -264,11 +286,8 @@ def _load_cpu(warn: bool) -> bool:
             state.library = Path(path)
         _register_cpu(state.handle)
     except Exception as exc:  # any failure: stay on the reference path
-        state.error = f"{type(exc).__name__}: {exc}"
-        if warn:
-            hint = "`actcore native status` says more; ACTCORE_NATIVE_CPU=0 turns them off."
-            _warn_unavailable("CPU kernels", exc, hint, stacklevel=4)
-        return False
+        hint = "`actcore native status` says more; ACTCORE_NATIVE_CPU=0 turns them off."
+        return _failed(state, "CPU kernels", exc, hint, warn, stacklevel)
     state.active = True
     state.error = None
     return True
@@ -279,15 +298,8 @@ def load_cpu(*, warn: bool = True) -> bool:
 
     True when they are registered. Never raises; a failure is warned about once.
     """
-    state = _CPU_STATE
-    with state.lock:
-        if state.attempted:
-            return state.active
-        state.attempted = True
-        if cpu_disabled():
-            state.error = "turned off by ACTCORE_NATIVE or ACTCORE_NATIVE_CPU"
-            return False
-        return _load_cpu(warn)
+    why_off = "turned off by ACTCORE_NATIVE or ACTCORE_NATIVE_CPU"
+    return _load_once(_CPU_STATE, "active", cpu_disabled, why_off, _load_cpu, warn)
 
 
 def cpu_ready(op: str) -> bool:
@@ -320,7 +332,7 @@ def set_cpu_kernels(enabled: bool, *, warn: bool = True) -> bool:
         before = state.active
         state.attempted = True  # no automatic load after an explicit choice
         if enabled and not state.active:
-            _load_cpu(warn)
+            _load_cpu(warn, stacklevel=4)
         elif not enabled and state.active:
             assert state.handle is not None
             state.handle.actcore_cpu_unregister()
@@ -338,44 +350,52 @@ def cpu_kernels(enabled: bool) -> Iterator[bool]:
         set_cpu_kernels(before, warn=False)
 
 
-def cpu_status() -> dict[str, Any]:
-    """What this process knows about the CPU kernels (never raises)."""
-    state = _CPU_STATE
-    info: dict[str, Any] = {
-        "active": state.active,
+def _state_status(state: _State | _CpuState, on: str, off: bool) -> dict[str, Any]:
+    """What ``state`` records: whether the kernels are on (under the key ``on``, the name of
+    its flag), tried, from which library, the last error; ``off``: turned off by the
+    environment."""
+    return {
+        on: getattr(state, on),
         "attempted": state.attempted,
         "library": str(state.library) if state.library else None,
         "error": state.error,
-        "disabled": cpu_disabled(),
-        "avx2": bool(state.handle.actcore_cpu_uses_avx2()) if state.handle else None,
+        "disabled": off,
     }
-    from . import build
+
+
+def _plan_status(plan: Callable[[], Any], *, arches: bool = False) -> dict[str, Any]:
+    """What ``plan()`` says of a build (its architectures when ``arches``, its directory,
+    whether it is built), or why it cannot plan one (never raises)."""
+    from .build import NativeBuildError
 
     try:
-        plan = build.plan_cpu_build()
-        info["build_dir"] = str(plan.build_dir)
-        info["built"] = plan.library.is_file()
-    except build.NativeBuildError as exc:
-        info["build_dir"] = None
-        info["built"] = False
-        info["plan_error"] = str(exc)
+        found = plan()
+    except NativeBuildError as exc:
+        return {"build_dir": None, "built": False, "plan_error": str(exc)}
+    head = {"arches": list(found.arches)} if arches else {}
+    return {**head, "build_dir": str(found.build_dir), "built": found.library.is_file()}
+
+
+def cpu_status() -> dict[str, Any]:
+    """What this process knows about the CPU kernels (never raises)."""
+    state = _CPU_STATE
+    info = _state_status(state, "active", cpu_disabled())
+    info["avx2"] = bool(state.handle.actcore_cpu_uses_avx2()) if state.handle else None
+    from . import build
+
+    info.update(_plan_status(build.plan_cpu_build))
     return info
 
 
 def status() -> dict[str, Any]:
     """What is loaded in this process, and what a build here would use (never raises)."""
-    state = _STATE
-    info: dict[str, Any] = {
-        "loaded": state.loaded,
-        "attempted": state.attempted,
-        "library": str(state.library) if state.library else None,
-        "error": state.error,
-        "disabled": disabled(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "devices": [],
-    }
+    info = _state_status(_STATE, "loaded", disabled())
+    info.update(
+        torch=torch.__version__,
+        torch_cuda=torch.version.cuda,
+        cuda_available=torch.cuda.is_available(),
+        devices=[],
+    )
     if torch.cuda.is_available():
         info["devices"] = [
             f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
@@ -398,14 +418,6 @@ def status() -> dict[str, Any]:
     except build.NativeBuildError as exc:
         info["toolkit"] = None
         info["toolkit_error"] = str(exc)
-    try:
-        plan = build.plan_build()
-        info["arches"] = list(plan.arches)
-        info["build_dir"] = str(plan.build_dir)
-        info["built"] = plan.library.is_file()
-    except build.NativeBuildError as exc:
-        info["build_dir"] = None
-        info["built"] = False
-        info["plan_error"] = str(exc)
+    info.update(_plan_status(build.plan_build, arches=True))
     info["cpu"] = cpu_status()
     return info

@@ -93,6 +93,23 @@ def check_seed(seed: int | None) -> int:
     return seed
 
 
+def _check_input(x: object, what: str) -> None:
+    """TypeError unless ``x`` is a floating tensor (``what``: the op's name, for the message)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(x).__name__}")
+    check_float_dtype(x.dtype, what)
+
+
+def _check_options(
+    bits: object, group_size: object, stochastic: bool, seed: int | None
+) -> tuple[int, int, int]:
+    """The quantizing ops' checked ``bits``, ``group_size`` and seed (a new one for
+    ``seed=None``, 0 without ``stochastic``)."""
+    bits = check_bits(bits)
+    group_size = check_group_size(group_size)
+    return bits, group_size, check_seed(seed) if stochastic else 0
+
+
 def quantize(
     x: torch.Tensor,
     bits: int,
@@ -111,12 +128,8 @@ def quantize(
     ``seed=None`` draws one from torch's default generator. Every element's error is below
     one step of its group. A group containing NaN or +-inf dequantizes to NaN.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
-    check_float_dtype(x.dtype)
-    bits = check_bits(bits)
-    group_size = check_group_size(group_size)
-    seed = check_seed(seed) if stochastic else 0
+    _check_input(x, "quantize")
+    bits, group_size, seed = _check_options(bits, group_size, stochastic, seed)
     payload, lo, step = library.quantize(
         x.detach(), bits, group_size, bool(stochastic), seed, bool(per_sample)
     )
@@ -164,13 +177,9 @@ def masked_quantize(
     ``quantize(x.reshape(-1)[m], bits, per_sample=False, ...)`` holds for the unpacked ``m``,
     without searching ``x`` (the mask's bits say where the values are).
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"masked_quantize expects a torch.Tensor, got {type(x).__name__}")
-    check_float_dtype(x.dtype, "masked_quantize")
+    _check_input(x, "masked_quantize")
     _check_mask(mask, x.numel(), "masked_quantize")
-    bits = check_bits(bits)
-    group_size = check_group_size(group_size)
-    seed = check_seed(seed) if stochastic else 0
+    bits, group_size, seed = _check_options(bits, group_size, stochastic, seed)
     return library.masked_quantize(
         x.detach(), mask.detach(), bits, group_size, bool(stochastic), seed
     )
