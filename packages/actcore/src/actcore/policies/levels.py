@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import lookup_level
+
 __all__ = ["HOOK_LEVELS", "HookLevel", "hook_level"]
 
 
@@ -45,10 +47,4 @@ HOOK_LEVELS: dict[str, HookLevel] = {
 
 def hook_level(level: str | HookLevel) -> HookLevel:
     """The :class:`HookLevel` named ``level``, or ValueError listing the valid names."""
-    if isinstance(level, HookLevel):
-        return level
-    try:
-        return HOOK_LEVELS[level]
-    except (KeyError, TypeError):
-        valid = ", ".join(HOOK_LEVELS)
-        raise ValueError(f"unknown level {level!r}; valid levels: {valid}") from None
+    return lookup_level(HOOK_LEVELS, level, HookLevel, "level")
