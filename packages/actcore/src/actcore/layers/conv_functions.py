@@ -41,6 +41,28 @@ def _micro_batches(layer: Any, x: torch.Tensor) -> int:
     return max(1, min(layer_spec(layer).micro_batches, x.shape[0] if x.dim() else 1))
 
 
+def _keep_input_and_weight(
+    ctx: Any, layer: Any, x: torch.Tensor, weight: torch.Tensor, x_link: Any
+) -> None:
+    """What conv and linear keep: the input, compressed (nothing when the weight needs no
+    gradient), and the weight."""
+    stash(ctx, layer, [(x if weight.requires_grad else None, CONV), (weight, IDENTITY)])
+    ctx.x_link = x_link
+
+
+def _restore_input_and_weight(
+    ctx: Any, grad: torch.Tensor, linear: bool
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The kept input and weight, after handing the output gradient to the layer's scheme
+    (a linear's with its restored input, a convolution's with its kernel size)."""
+    x, weight = unstash(ctx)
+    if linear:
+        observe(ctx, grad, channel_dim=-1, restored=x)
+    else:
+        observe(ctx, grad, kernel=math.prod(weight.shape[2:]))
+    return guard_input(ctx, x, weight, grad), weight
+
+
 class ConvFunction(torch.autograd.Function):
     """Convolution and transposed convolution (aten.convolution / convolution_backward)."""
 
@@ -55,15 +77,12 @@ class ConvFunction(torch.autograd.Function):
         ctx.layer, ctx.args = layer, args
         ctx.bias_sizes = None if bias is None else list(bias.shape)
         ctx.input_meta = InputMeta(x)
-        stash(ctx, layer, [(x if weight.requires_grad else None, CONV), (weight, IDENTITY)])
-        ctx.x_link = x_link
+        _keep_input_and_weight(ctx, layer, x, weight, x_link)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = unstash(ctx)
-        observe(ctx, grad, kernel=math.prod(weight.shape[2:]))
-        x = guard_input(ctx, x, weight, grad)
+        x, weight = _restore_input_and_weight(ctx, grad, linear=False)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x_for_shape = x if x is not None else ctx.input_meta.tensor()
         chunks = _micro_batches(ctx.layer, x_for_shape) if need_w and x is not None else 1
@@ -91,15 +110,12 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, x_link=None):
         out = own_output(torch.nn.functional.linear(x, weight, bias))
-        stash(ctx, layer, [(x if weight.requires_grad else None, CONV), (weight, IDENTITY)])
-        ctx.x_link = x_link
+        _keep_input_and_weight(ctx, layer, x, weight, x_link)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = unstash(ctx)
-        observe(ctx, grad, channel_dim=-1, restored=x)
-        x = guard_input(ctx, x, weight, grad)
+        x, weight = _restore_input_and_weight(ctx, grad, linear=True)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g2 = grad.reshape(-1, grad.shape[-1])
         gx = grad.matmul(weight) if need_x else None

@@ -226,6 +226,22 @@ class SyncBatchNormFunction(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None, None
 
 
+def _stash_affine_norm(
+    ctx: Any,
+    layer: Any,
+    saved_x: torch.Tensor,
+    how: Compressor | str,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> list:
+    """What layer and group norm keep: the input (as :func:`_norm_input` chose), the affine
+    parameters and the per-row statistics, exact."""
+    items = [(saved_x, how), (weight, IDENTITY), (bias, IDENTITY), (mean, IDENTITY)]
+    return stash(ctx, layer, [*items, (rstd, IDENTITY)])
+
+
 class LayerNormFunction(torch.autograd.Function):
     """Layer normalization (aten.native_layer_norm and its backward)."""
 
@@ -234,17 +250,7 @@ class LayerNormFunction(torch.autograd.Function):
         out, mean, rstd = aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
         ctx.normalized_shape, ctx.dtype = normalized_shape, x.dtype
         saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: (t - mean) * rstd, ROW_NORM)
-        parts = stash(
-            ctx,
-            layer,
-            [
-                (saved_x, how),
-                (weight, IDENTITY),
-                (bias, IDENTITY),
-                (mean, IDENTITY),
-                (rstd, IDENTITY),
-            ],
-        )
+        parts = _stash_affine_norm(ctx, layer, saved_x, how, weight, bias, mean, rstd)
         if ctx.normalized and not torch.compiler.is_compiling():  # (see _affine_output)
             derive_output(ctx, _affine_output(out.dtype), parts[:3])
         return out
@@ -278,17 +284,7 @@ class GroupNormFunction(torch.autograd.Function):
             return ((grouped - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).view(t.shape)
 
         saved_x, how, ctx.normalized = _norm_input(layer, x, normalize, ROW_NORM)
-        parts = stash(
-            ctx,
-            layer,
-            [
-                (saved_x, how),
-                (weight, IDENTITY),
-                (bias, IDENTITY),
-                (mean, IDENTITY),
-                (rstd, IDENTITY),
-            ],
-        )
+        parts = _stash_affine_norm(ctx, layer, saved_x, how, weight, bias, mean, rstd)
         if ctx.normalized and out.is_contiguous() and not torch.compiler.is_compiling():
             derive_output(ctx, _affine_output(out.dtype, per_channel=True), parts[:3])
         return out

@@ -81,17 +81,21 @@ def _window_starts(out_shape, stride, padding, device) -> list[torch.Tensor]:
     return starts
 
 
+def _digits(value: torch.Tensor, radices) -> list[torch.Tensor]:
+    """``value`` in the mixed radix ``radices`` (most significant first), a tensor a digit."""
+    digits, rest = [], value
+    for radix in reversed(radices):  # peel the least significant digit first
+        digits.append(rest % radix)
+        rest = rest // radix
+    return digits[::-1]
+
+
 def _window_offset(index, in_spatial, kernel, stride, padding, dilation) -> torch.Tensor:
     """Flat input index (per plane) -> offset inside the pooling window."""
     nd = len(kernel)
     starts = _window_starts(index.shape, stride, padding, index.device)
     offset = torch.zeros_like(index)
-    rest = index
-    coords = []
-    for d in reversed(range(nd)):  # peel coordinates, last dim first
-        coords.append(rest % in_spatial[d])
-        rest = rest // in_spatial[d]
-    coords.reverse()
+    coords = _digits(index, in_spatial)
     for d in range(nd):
         offset = offset * kernel[d] + (coords[d] - starts[d]) // dilation[d]
     return offset
@@ -102,12 +106,7 @@ def _flat_index(offset, in_spatial, kernel, stride, padding, dilation) -> torch.
     nd = len(kernel)
     starts = _window_starts(offset.shape, stride, padding, offset.device)
     index = torch.zeros_like(offset)
-    rest = offset
-    within = []
-    for d in reversed(range(nd)):
-        within.append(rest % kernel[d])
-        rest = rest // kernel[d]
-    within.reverse()
+    within = _digits(offset, kernel)
     for d in range(nd):
         index = index * in_spatial[d] + starts[d] + within[d] * dilation[d]
     return index
