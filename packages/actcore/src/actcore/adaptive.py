@@ -66,7 +66,7 @@ its plan and replans as the uninterrupted run would; :meth:`AdaptiveBits.load_st
 checks the whole state before changing anything.
 
 This module is the scheme; its parts are ``adaptive_stats`` (a layer's statistics and their
-averages), ``adaptive_compressors`` (what it packs with), ``adaptive_plan`` (the plan from
+averages), ``adaptive_recording`` (the statistics tap on what it packs), ``adaptive_plan`` (the plan from
 the statistics), ``adaptive_samples`` (the per-dataset-sample tables) and ``adaptive_state``
 (checking a saved state).
 """
@@ -79,7 +79,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adaptive_compressors import ScoredPerSampleQuantize, _Recording
 from .adaptive_plan import (
     _allocation_items,
     _average_bits,
@@ -88,6 +87,7 @@ from .adaptive_plan import (
     _prior_bits,
     _rank_counts,
 )
+from .adaptive_recording import _Recording
 from .adaptive_samples import _checked_index, _sample_scale, _write_norms
 from .adaptive_state import _DEFAULT_WINDOW, _checked_state
 from .adaptive_stats import _coupling, _ema, _finite_ema, _LayerStats
@@ -95,6 +95,7 @@ from .compressors import (
     Compressor,
     PerSampleQuantize,
     Quantize,
+    ScoredPerSampleQuantize,
     ZeroValue,
     sample_range_weights,
 )

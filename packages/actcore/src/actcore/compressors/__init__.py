@@ -11,6 +11,8 @@ lives in a module of its own:
 * :mod:`~actcore.compressors.seeded_quantize`: :class:`SeededQuantize`, with a fixed seed;
 * :mod:`~actcore.compressors.per_sample_quantize`: :class:`PerSampleQuantize`, bits per
   sample (and :func:`sample_range_weights`, which ranks the samples);
+* :mod:`~actcore.compressors.scored_per_sample_quantize`: :class:`ScoredPerSampleQuantize`,
+  samples ranked by given scores (adaptive bits' per-dataset-sample weights);
 * :mod:`~actcore.compressors.mask_bits`: :class:`MaskBits`, a bool tensor at 1 bit;
 * :mod:`~actcore.compressors.zero_value`: :class:`ZeroValue`, a mask and the nonzeros;
 * :mod:`~actcore.compressors.derived`: :class:`Derived`, rebuilt from other packings;
@@ -28,6 +30,7 @@ from .mask_bits import MaskBits
 from .per_sample_quantize import PerSampleQuantize, sample_range_weights
 from .quantize import Quantize
 from .recorded import Recorded
+from .scored_per_sample_quantize import ScoredPerSampleQuantize
 from .seeded_quantize import SeededQuantize
 from .swap import PrefetchQueue, Swap
 from .zero_value import ZeroValue
@@ -41,6 +44,7 @@ __all__ = [
     "PrefetchQueue",
     "Quantize",
     "Recorded",
+    "ScoredPerSampleQuantize",
     "SeededQuantize",
     "Swap",
     "Tensors",

@@ -1,10 +1,6 @@
-"""The compressors adaptive bits hands the stash, beside the plain :mod:`actcore.compressors`.
-
-* :class:`ScoredPerSampleQuantize`: per-sample bits with the samples ranked by given scores
-  (the per-dataset-sample gradient weights of :mod:`actcore.adaptive`).
-* :class:`_Recording`: another compressor that reports what it packed to the scheme, whose
-  statistics then come from the quantizer's own per-group steps.
-"""
+"""Adaptive bits' statistics tap: :class:`_Recording` wraps the compressor the plan chose
+and reports what it packed to the scheme, whose statistics then come from the quantizer's
+own per-group steps (no pass over the tensor of its own)."""
 
 from __future__ import annotations
 
@@ -14,56 +10,15 @@ from typing import Any, Protocol
 import torch
 
 from .adaptive_stats import _LayerStats
-from .compressors import Compressor, PerSampleQuantize, Quantize, Tensors, ZeroValue
+from .compressors import Compressor, Quantize, Tensors, ZeroValue
 
-__all__ = ["ScoredPerSampleQuantize"]
+__all__: list[str] = []
 
 
 class _Recorder(Protocol):
     """What a :class:`_Recording` reports to (:class:`~actcore.adaptive.AdaptiveBits`)."""
 
     def _take(self, stats: _LayerStats, profile: torch.Tensor, elems: float) -> None: ...
-
-
-@dataclass(frozen=True, eq=False)
-class ScoredPerSampleQuantize(PerSampleQuantize):
-    """:class:`PerSampleQuantize` ranking samples by given ``scores`` (largest first).
-
-    Packs into the same layout, so :meth:`PerSampleQuantize.unpack` reads it back.
-    """
-
-    scores: torch.Tensor | None = None  # [N], on x's device
-
-    name = "scored_per_sample_quantize"
-
-    def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
-        if self.scores is None or self.scores.shape != (x.shape[0],):
-            raise ValueError(f"scores do not match a batch of {x.shape[0]}")
-        if sum(c for _, c in self.counts) != x.shape[0]:
-            raise ValueError(f"counts {self.counts} do not cover a batch of {x.shape[0]}")
-        order = torch.argsort(self.scores, descending=True)
-        ranked = x.detach().index_select(0, order)
-        tensors: list[torch.Tensor] = [order.to(torch.int32)]
-        metas = []
-        start = 0
-        for bits, count in self.counts:
-            if count:
-                part, meta = Quantize(bits, self.group_size, True, self.stochastic).pack(
-                    ranked[start : start + count]
-                )
-                tensors.extend(part)
-                metas.append(meta)
-                start += count
-        return tuple(tensors), tuple(metas)
-
-    def key(self) -> tuple:
-        return (*super().key(), id(self.scores))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ScoredPerSampleQuantize) and self.key() == other.key()
-
-    def __hash__(self) -> int:
-        return hash(self.key())
 
 
 @dataclass(frozen=True, eq=False)
