@@ -126,6 +126,10 @@ def test_a_hidden_state_several_linears_read_keeps_row_norm_bits() -> None:
     fresh = AdaptiveBits()
     fresh.load_state_dict(state)
     assert fresh.layers["q"].readers == {"k"}  # a resumed run packs as this one does
+    # where the level's linear bits already reach the row-norm bits, the plan keeps the unit
+    scheme.compressor(model.q, "conv", x, row_bits, None)
+    assert not scheme.layers["q"].pinned
+    assert {name for name, *_ in scheme._items()} == {"q", "o"}
 
 
 def _train_on(model: nn.Module, x: torch.Tensor, steps: int) -> None:

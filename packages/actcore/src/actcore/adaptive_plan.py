@@ -60,7 +60,7 @@ def _allocation_items(
             shared[st.shares] = shared.get(st.shares, 0.0) + float(st.sens)
     items = []
     for name, st in layers.items():
-        if st.sens is None or st.profile is None or st.elems is None or st.readers:
+        if st.sens is None or st.profile is None or st.elems is None or st.pinned:
             continue  # (a hidden state several linears read keeps row-norm bits)
         if st.last_step is not None and st.last_step < steps - window:
             continue  # packs nothing any more (a head that now keeps the loss's tensor)

@@ -31,6 +31,7 @@ class _LayerStats:
     shares: str | None = None  # the layer whose stored input this one reuses (stored once)
     last_step: int | None = None  # the step that last packed an input here (None: unknown)
     readers: set[str] = field(default_factory=set)  # linears reusing this one's stored input
+    pinned: bool = False  # packed at the row-norm bits as a shared hidden state (no plan)
     grads: torch.Tensor | None = None  # [samples]: squared output-grad norm (NaN: unseen)
     # finite values taken into sens / profile so far (None: every value was finite)
     sens_seen: torch.Tensor | None = None
