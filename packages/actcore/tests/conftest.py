@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import os
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -13,6 +17,8 @@ from torch import Tensor, nn
 
 from actcore import cli
 from actcore.config import config
+from actcore.dropit import to_dropit
+from actcore.native import loader
 
 if TYPE_CHECKING:
     from actcore.controller import Controller
@@ -101,3 +107,85 @@ def bn_mlp() -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 4)
     )
+
+
+# ---- the few-bit activations' tests (test_fewbit.py, test_fewbit_linear.py)
+
+
+def grad_of(fn, x: Tensor, grad_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(output, input gradient) of ``fn`` at a fresh leaf copy of ``x``."""
+    leaf = x.detach().clone().requires_grad_()
+    y = fn(leaf)
+    y.backward(torch.ones_like(y) if grad_out is None else grad_out)
+    return y.detach(), leaf.grad
+
+
+# ---- DropIT's tests (test_dropit.py, test_dropit_convert.py)
+
+
+def topk_mask(x: Tensor, gamma: float, per_sample: bool = False) -> Tensor:
+    """Independent reference mask: elements at or above the k-th largest magnitude."""
+    rows = x.shape[0] if per_sample else 1
+    flat = x.detach().float().abs().reshape(rows, -1)
+    k = flat.shape[1] - int(gamma * flat.shape[1] + 1e-6)
+    threshold = flat.kthvalue(flat.shape[1] - k + 1, dim=1, keepdim=True).values
+    return (flat >= threshold).reshape(x.shape)
+
+
+def rand(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Random values whose magnitudes are all distinct in ``dtype`` (no ties to break)."""
+    n = torch.Size(shape).numel()
+    pool = torch.unique(torch.randn(8 * n + 64).to(dtype).abs())
+    pool = pool[pool > 0]
+    assert pool.numel() >= n
+    values = pool[torch.randperm(pool.numel())[:n]]
+    signs = torch.randint(0, 2, (n,)).to(dtype) * 2 - 1
+    return (values * signs).reshape(shape)
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """One torch thread inside the block (the thread count restored after)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def grads(module: nn.Module, x: Tensor, g: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """Output and the grads of (input, *parameters) for upstream gradient ``g``."""
+    x = x.detach().clone().requires_grad_(True)
+    out = module(x)
+    params = list(module.parameters())
+    return out, list(torch.autograd.grad(out, [x, *params], g))
+
+
+def converted(module: nn.Module, gamma: float = 0.9, strategy: str = "mink") -> nn.Module:
+    """A deep copy of ``module`` converted whole by ``to_dropit``."""
+    new = copy.deepcopy(module)
+    report = to_dropit(new, strategy, gamma)
+    assert report.converted == [""]
+    return new
+
+
+# ---- the C++ CPU kernels' tests (test_native_cpu.py, test_native_cpu_loader.py)
+
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+CPU_KERNELS_TURNED_OFF = (
+    loader.disabled() or os.environ.get("ACTCORE_NATIVE_CPU", "").lower() in loader._OFF
+)
+
+
+@pytest.fixture(scope="module")
+def native_cpu() -> Iterator[None]:
+    """The CPU kernels registered for the module's tests (restored to the default after)."""
+    if CPU_KERNELS_TURNED_OFF:
+        pytest.skip("CPU kernels turned off by ACTCORE_NATIVE / ACTCORE_NATIVE_CPU")
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler here to build the CPU kernels with")
+    with loader.cpu_kernels(True) as active:
+        if not active:  # a compiler is here: a failure is a bug
+            pytest.fail(f"the CPU kernels did not load: {loader.cpu_status()['error']}")
+        yield

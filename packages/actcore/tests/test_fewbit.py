@@ -1,25 +1,20 @@
-"""Tests of actcore.fewbit: few-bit activations, their tables, RandomizedLinear, surgery."""
+"""Tests of actcore.fewbit's few-bit activations: forward and gradients against torch,
+gradient error against the tables, bytes held, behaviour and errors, the modules."""
 
 from __future__ import annotations
 
-import itertools
 import math
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from scipy import integrate, special
+from conftest import grad_of
 from torch import Tensor, nn
 
 import actcore.fewbit as fb
 from actcore import memory
 from actcore.fewbit import function as fb_function
 from actcore.fewbit import tables as fb_tables
-from actcore.fewbit.derivatives import DERIVATIVES
-from actcore.fewbit.optimal import fit_piecewise_constant, uniform
-from actcore.fewbit.randomized import projection
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8}
@@ -98,14 +93,6 @@ MODULES = [
     (fb.Tanh(bits=4), nn.Tanh, lambda x: fb.tanh(x, bits=4)),
     (fb.Tanhshrink(), nn.Tanhshrink, fb.tanhshrink),
 ]
-
-
-def grad_of(fn, x: Tensor, grad_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(output, input gradient) of ``fn`` at a fresh leaf copy of ``x``."""
-    leaf = x.detach().clone().requires_grad_()
-    y = fn(leaf)
-    y.backward(torch.ones_like(y) if grad_out is None else grad_out)
-    return y.detach(), leaf.grad
 
 
 def saved_bytes(y: Tensor) -> int:
@@ -206,137 +193,6 @@ def test_gelu_3bit_error_small_and_levels_in_range() -> None:
     assert list(table.borders) == sorted(table.borders)
     assert table.relative_error < 0.01  # 3 bits leave < 1% of Var[gelu']
     assert min(table.levels) > -0.2 and max(table.levels) < 1.2
-
-
-# --------------------------------------------------------------------------------------------
-# Tables: optimality, independent error check, parity, reproducibility
-# --------------------------------------------------------------------------------------------
-
-
-def _quad_error(g, borders, pdf, lo, hi) -> tuple[float, list[float]]:
-    """E[(g - c)^2] with optimal (conditional-mean) levels, by scipy quadrature."""
-    edges = [lo, *borders, hi]
-    total, levels = 0.0, []
-    for a, b in itertools.pairwise(edges):
-        m0 = integrate.quad(pdf, a, b, limit=200)[0]
-        m1 = integrate.quad(lambda t: g(t) * pdf(t), a, b, limit=200)[0]
-        m2 = integrate.quad(lambda t: g(t) ** 2 * pdf(t), a, b, limit=200)[0]
-        levels.append(m1 / m0)
-        total += m2 - m1 * m1 / m0
-    return total, levels
-
-
-def test_dynamic_programme_is_exact_against_brute_force() -> None:
-    g = lambda t: np.sin(3.0 * t) + (t > 0.2)  # noqa: E731 - non-monotone with a jump
-    dist = uniform(-1.0, 1.0)
-    fits = fit_piecewise_constant(g, dist, (3,), cells=10)
-    interior = np.linspace(-1.0, 1.0, 11)[1:-1]
-    best = min(
-        (_quad_error(g, b, lambda t: 0.5, -1.0, 1.0)[0], b)
-        for b in itertools.combinations(interior, 2)
-    )
-    assert fits[3].error == pytest.approx(best[0], rel=1e-9, abs=1e-12)
-    assert np.allclose(fits[3].borders, best[1])
-
-
-def normal_pdf(t: float) -> float:
-    return math.exp(-t * t / 2) / math.sqrt(2 * math.pi)
-
-
-def gelu_grad(t: float) -> float:
-    return special.ndtr(t) + t * normal_pdf(t)
-
-
-def test_table_error_and_levels_checked_by_quadrature_on_the_whole_line() -> None:
-    """Independent of the library's grid, quadrature and truncation: scipy over all of R."""
-    table = fb.get_table("gelu", 3)
-    error, levels = _quad_error(gelu_grad, table.borders, normal_pdf, -np.inf, np.inf)
-    assert table.l2_error == pytest.approx(error, rel=1e-7)
-    assert np.allclose(table.levels, levels, rtol=1e-7, atol=1e-9)
-    # local optimality: moving any border (re-fitting the levels) never helps
-    for i, shift in itertools.product(range(len(table.borders)), (-0.03, 0.03)):
-        moved = list(table.borders)
-        moved[i] += shift
-        if sorted(moved) == moved:
-            assert _quad_error(gelu_grad, moved, normal_pdf, -np.inf, np.inf)[0] > error
-
-
-def test_parity_folding_beats_a_full_line_table() -> None:
-    """tanh' is even: tabling |x| gives 2**(bits+1) symmetric intervals for the same bits."""
-    full = fit_piecewise_constant(
-        DERIVATIVES["tanh"].bind({}), fb.NORMAL, (2, 4, 8, 16), cells=fb_tables.DEFAULT_CELLS
-    )
-    for bits in range(1, 5):
-        folded = fb.get_table("tanh", bits)
-        assert folded.folded
-        ratio = folded.l2_error / full[2**bits].error
-        print(f"tanh, {bits} bits: L2 error folded / full line = {ratio:.3f}")
-        assert ratio < 0.8
-
-
-@pytest.mark.parametrize("key", [("gelu", {}), ("tanh", {}), ("gelu", {"approximate": "tanh"})])
-def test_shipped_tables_equal_fresh_computation(key) -> None:
-    name, params = key
-    fresh = fb.compute_tables(name, **params)
-    shipped = fb_tables.shipped_tables()[fresh[1].key]
-    for bits in range(1, 5):
-        assert fb_tables.tables_match(fresh[bits], shipped[bits])
-    assert set(fb_tables.shipped_tables()) == {*DERIVATIVES, "gelu(approximate='tanh')"}
-
-
-def test_shipped_data_file_regenerates() -> None:
-    """``tables.json`` is what the generator writes: every table recomputed (about 3 s)
-    matches it to the last bits, and rendering the loaded tables gives the file back."""
-    shipped = fb_tables.shipped_tables()
-    fresh = [fb.compute_tables(name, **params) for name, params in fb_tables.SHIPPED_KEYS]
-    assert [f[1].key for f in fresh] == list(shipped)
-    for by_bits in fresh:
-        for bits, table in by_bits.items():
-            assert fb_tables.tables_match(table, shipped[table.key][bits], rtol=1e-12, atol=1e-15)
-    path = Path(fb_tables.__file__).with_name("tables.json")
-    assert fb_tables.render_data(shipped.values()) == path.read_text(encoding="utf-8")
-
-
-def test_table_command_writes_checks_and_prints(tmp_path, capsys) -> None:
-    out = tmp_path / "tables.json"
-    assert fb_tables.main(["--write", str(out), "--activation", "sigmoid"]) == 0
-    written = fb_tables.read_tables_file(out)
-    assert list(written["TABLES"]) == ["sigmoid"]
-    assert written["META"]["distribution"] == fb.NORMAL.name
-    shipped = fb_tables.shipped_tables()["sigmoid"]
-    for bits, entry in written["TABLES"]["sigmoid"]["bits"].items():
-        # recomputed in this process: equal to the shipped table up to the last ulp
-        assert entry["levels"] == pytest.approx(list(shipped[bits].levels), rel=1e-12, abs=1e-15)
-        assert entry["borders"] == pytest.approx(list(shipped[bits].borders), rel=1e-12, abs=1e-15)
-    assert fb_tables.main(["--check", "--activation", "softsign"]) == 0
-    assert fb_tables.main([]) == 0
-    printed = capsys.readouterr().out
-    assert "gelu(approximate='tanh')" in printed and "1 activations match" in printed
-
-
-def test_table_arguments_are_checked() -> None:
-    with pytest.raises(ValueError, match="no derivative table for 'relu'"):
-        fb.get_table("relu", 3)
-    with pytest.raises(TypeError, match="alpha"):
-        fb.get_table("gelu", 3, alpha=1.0)
-    with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh', got 'x'"):
-        fb.gelu(torch.randn(3, requires_grad=True), approximate="x")
-    with pytest.raises(ValueError, match="std must be > 0"):
-        fb.normal(0.0, 0.0)
-
-
-def test_custom_distribution_table() -> None:
-    wide = fb.normal(0.0, 3.0)
-    narrow = fb.get_table("gelu", 2)
-    table = fb.get_table("gelu", 2, distribution=wide)
-    assert table.distribution == wide.name
-    assert table.borders != narrow.borders
-    # the table is used through the generic entry point
-    x = torch.randn(1000, requires_grad=True)
-    y = fb.apply(x, F.gelu, fb.TableCode(table))
-    (g,) = torch.autograd.grad(y.sum(), x)
-    idx = torch.bucketize(x.detach(), torch.tensor(table.borders, dtype=torch.float32))
-    assert torch.equal(g, torch.tensor(table.levels, dtype=torch.float32)[idx])
 
 
 # --------------------------------------------------------------------------------------------
@@ -500,194 +356,3 @@ def test_modules_are_drop_in(entry) -> None:
     exact = (nn.ReLU, nn.LeakyReLU, nn.Threshold, nn.Hardsigmoid, nn.Hardtanh, nn.Hardshrink)
     if isinstance(module, (*exact, nn.Softshrink)):  # piecewise: torch's gradient exactly
         assert torch.equal(g, grad_of(lambda t: torch_cls.forward(module, t), x)[1])
-
-
-# --------------------------------------------------------------------------------------------
-# RandomizedLinear
-# --------------------------------------------------------------------------------------------
-
-
-def test_randomized_linear_forward_and_exact_gradients() -> None:
-    torch.manual_seed(0)
-    lin = fb.RandomizedLinear(24, 10)
-    ref = nn.Linear(24, 10)
-    ref.load_state_dict(lin.state_dict())
-    assert isinstance(lin, nn.Linear) and list(lin.state_dict()) == ["weight", "bias"]
-    assert "proj_ratio=0.2" in repr(lin) and "gaussian" in repr(lin)
-    x = torch.randn(6, 20, 24)
-    g = torch.randn(6, 20, 10)
-    y, gx = grad_of(lin, x, g)
-    y_ref, gx_ref = grad_of(ref, x, g)
-    assert torch.equal(y, y_ref)
-    assert torch.allclose(gx, gx_ref, rtol=1e-6, atol=1e-6)
-    assert torch.allclose(lin.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
-    assert lin.weight.grad.shape == ref.weight.grad.shape
-    assert not torch.allclose(lin.weight.grad, ref.weight.grad)  # it is an estimate
-
-
-def test_randomized_linear_full_ratio_is_exact() -> None:
-    torch.manual_seed(1)
-    lin = fb.RandomizedLinear(8, 5, proj_ratio=1.0, distribution="rademacher")
-    ref = nn.Linear(8, 5)
-    ref.load_state_dict(lin.state_dict())
-    x, g = torch.randn(30, 8), torch.randn(30, 5)
-    grad_of(lin, x, g)
-    grad_of(ref, x, g)
-    assert torch.allclose(lin.weight.grad, ref.weight.grad, rtol=1e-6, atol=1e-6)
-
-
-@pytest.fixture
-def one_thread():
-    """Thousands of tiny ops: threads only add contention on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
-def test_randomized_linear_weight_gradient_is_unbiased(distribution: str) -> None:
-    gen = torch.Generator().manual_seed(2)
-    n, d_in, d_out, seeds = 40, 6, 5, 2000
-    x = torch.randn(n, d_in, generator=gen, dtype=torch.float64)
-    w = torch.randn(d_out, d_in, generator=gen, dtype=torch.float64).requires_grad_()
-    g = torch.randn(n, d_out, generator=gen, dtype=torch.float64)
-    exact = g.t() @ x
-    draws = []
-    for seed in range(seeds):
-        y = fb.randomized_linear(x, w, None, 0.2, distribution, seed=seed)
-        (gw,) = torch.autograd.grad(y, w, g)
-        draws.append(gw)
-    draws = torch.stack(draws)
-    mean, var = draws.mean(0), draws.var(0)
-    z = (mean - exact) / (var / seeds).sqrt()
-    assert (z.abs() <= 5).all(), z
-    dof = z.numel()
-    assert (z**2).sum() <= dof + 6 * math.sqrt(2 * dof)  # chi-square aggregate
-    assert (var > 0).all()
-    # same seed, same S: deterministic
-    y = fb.randomized_linear(x, w, None, 0.2, distribution, seed=7)
-    assert torch.equal(torch.autograd.grad(y, w, g)[0], draws[7])
-
-
-def test_projection_has_identity_second_moment() -> None:
-    n, k = 30, 12
-    eye = torch.eye(n, dtype=torch.float64)
-    for dist in ("gaussian", "rademacher"):
-        acc = sum(projection(eye, k, s, dist).t() @ projection(eye, k, s, dist) for s in range(400))
-        assert torch.allclose(acc / 400, eye, atol=0.25)
-        if dist == "rademacher":
-            assert torch.allclose(projection(eye, k, 0, dist).abs(), torch.tensor(k**-0.5).double())
-
-
-def test_randomized_linear_keeps_a_fifth_of_the_input() -> None:
-    lin = fb.RandomizedLinear(64, 32, proj_ratio=0.2)
-    x = torch.randn(10, 100, 64, requires_grad=True)
-    with memory.track(lin) as rep:
-        y = lin(x)
-    k = math.ceil(0.2 * 1000)
-    assert rep.retained_bytes == k * 64 * 4
-    assert rep.retained_bytes <= 0.25 * x.numel() * 4
-    y.sum().backward()
-    lin.weight.requires_grad_(False)
-    lin.bias.requires_grad_(False)
-    with memory.track(lin) as rep:
-        lin(x)
-    assert rep.retained_bytes == 0  # frozen weight: nothing of the input is kept
-
-
-def test_randomized_linear_autocast_and_bad_arguments() -> None:
-    lin = fb.RandomizedLinear(16, 8)
-    x = torch.randn(32, 16, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = lin(x)
-        assert torch.equal(y, F.linear(x, lin.weight, lin.bias))
-    y.float().sum().backward()
-    assert lin.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
-    for bad in (0, 1.5, -0.1):
-        with pytest.raises(ValueError, match=rf"proj_ratio must be in \(0, 1\], got {bad}"):
-            fb.RandomizedLinear(4, 4, proj_ratio=bad)
-    with pytest.raises(ValueError, match="'uniform'"):
-        fb.RandomizedLinear(4, 4, distribution="uniform")
-
-
-# --------------------------------------------------------------------------------------------
-# map_module, convert_linear
-# --------------------------------------------------------------------------------------------
-
-
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.shared = nn.Linear(4, 4)
-        self.body = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4), self.shared)
-        self.heads = nn.ModuleDict({"a": nn.Linear(4, 2), "b": nn.Tanh()})
-        self.attn = nn.MultiheadAttention(4, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.shared(self.body(x))
-        h = h + self.attn(h, h, h, need_weights=False)[0]
-        return self.heads["a"](self.heads["b"](h))
-
-
-def test_map_module_paths_order_sharing_and_root() -> None:
-    net = _Net()
-    seen: list[str] = []
-
-    def fn(m: nn.Module, path: str) -> nn.Module:
-        seen.append(path)
-        if isinstance(m, nn.GELU):
-            return fb.GELU(bits=2)
-        if isinstance(m, nn.Tanh):
-            return fb.Tanh()
-        return m
-
-    assert fb.map_module(net, fn) is net
-    assert set(seen) == {name for name, _ in net.named_modules()}
-    assert seen[-1] == "" and seen.index("body.1") < seen.index("body")  # post-order
-    assert isinstance(net.body[1], fb.GELU) and net.body[1].bits == 2
-    assert isinstance(net.heads["b"], fb.Tanh)
-    new_root = fb.map_module(net, lambda m, p: nn.Sequential(m) if p == "" else m)
-    assert isinstance(new_root, nn.Sequential) and new_root[0] is net
-    with pytest.raises(TypeError, match=r"must return an nn\.Module, got NoneType for 'shared'"):
-        fb.map_module(_Net(), lambda m, p: None if p == "shared" else m)
-
-
-def test_map_module_replaces_a_shared_module_once() -> None:
-    net = _Net()
-    calls = []
-
-    def fn(m: nn.Module, path: str) -> nn.Module:
-        if m is net.shared:
-            calls.append(path)
-            return nn.Identity()
-        return m
-
-    fb.map_module(net, fn)
-    assert calls == ["shared"]
-    assert isinstance(net.shared, nn.Identity) and net.body[3] is net.shared
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_convert_linear_preserves_state(dtype: torch.dtype) -> None:
-    torch.manual_seed(3)
-    net = _Net().to(dtype)
-    before = {k: v.clone() for k, v in net.state_dict().items()}
-    params = {k: id(p) for k, p in net.named_parameters()}
-    x = torch.randn(5, 4, dtype=dtype)
-    y_before = net(x)
-    assert fb.convert_linear(net, fb.RandomizedLinear, proj_ratio=0.5) is net
-    assert type(net.body[0]) is fb.RandomizedLinear and net.body[0].proj_ratio == 0.5
-    assert type(net.heads["a"]) is fb.RandomizedLinear and net.body[3] is net.shared
-    assert type(net.attn.out_proj) is not fb.RandomizedLinear  # a Linear subclass: kept
-    after = net.state_dict()
-    assert list(after) == list(before)
-    for key, value in before.items():
-        assert torch.equal(after[key], value) and after[key].dtype == dtype
-    assert {k: id(p) for k, p in net.named_parameters()} == params  # same Parameters
-    assert torch.equal(net(x), y_before)
-    again = fb.convert_linear(net, fb.RandomizedLinear, proj_ratio=0.1)
-    assert again.body[0].proj_ratio == 0.5  # already converted layers stay as they are
-    single = fb.convert_linear(nn.Linear(3, 2, bias=False), fb.RandomizedLinear)
-    assert type(single) is fb.RandomizedLinear and single.bias is None
