@@ -87,9 +87,10 @@ def _coupling(grad: torch.Tensor, restored: torch.Tensor, group_size: int) -> to
     takes ``mean(|g_t|^2) * sum(e_t)``; where large gradients meet large ranges (or
     small ones) that is off by this factor, ``sum(|g_t|^2 e_t) / (mean(|g_t|^2) sum(e_t))``
     (measured on a post-norm OLMo-2: 0.42 to 3.0 across its linears; times this factor, the
-    model's error over the measured one is 0.65-0.69 for every one of them, 0.3-2.1 without). Ranges are
-    read off the restored input's groups (a group's restored values span its range at
-    any bits: stochastic rounding lands on both ends of a group of many elements).
+    model's error over the measured one is 0.65-0.69 for every one of them, 0.3-2.1
+    without). Ranges are read off the restored input's groups (a group's restored values
+    span its range at any bits: stochastic rounding lands on both ends of a group of many
+    elements).
     """
     n, channels = restored.shape[0], restored.shape[-1]
     one = torch.ones((), device=grad.device)
