@@ -41,7 +41,7 @@ class Stored:
         self.meta = meta
         self.mask = mask  # packed nonzero mask of a ReLU output, else None
 
-    def restore(self, shape: torch.Size) -> Tensor:
+    def restore(self) -> Tensor:
         out = self.compressor.unpack(self.tensors, self.meta)
         if self.mask is not None:  # the ReLU's zeros exactly, the rest kept positive
             # (read straight from the bits: 10x faster on CPU than where() on the unpacked
@@ -123,7 +123,7 @@ class Handle:
         assert self.stored is not None and self.perm_shape is not None
         assert self.inv_perm is not None
         with torch.no_grad():
-            out = self.stored.restore(self.perm_shape).view(self.perm_shape).permute(self.inv_perm)
+            out = self.stored.restore().view(self.perm_shape).permute(self.inv_perm)
             if self.expand is not None:
                 out = out.expand(self.expand)
             if self.view is not None:
