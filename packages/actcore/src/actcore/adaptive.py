@@ -251,17 +251,12 @@ class AdaptiveBits:
         gs = config.group_size
         if stats.shares is not None and _reads_tokens(layer):
             self.layers.setdefault(owner, _LayerStats()).readers.add(name)
-        shared = role_bits(layer_spec(layer), ROW_NORM)
-        stats.pinned = (
-            stats.shares is None
-            and bool(stats.readers)
-            and _reads_tokens(layer)
-            and mask is None
-            and shared is not None
-            and shared > bits
-        )
-        if stats.pinned:  # a hidden state several linears read: row-norm bits, no plan
-            return Quantize(shared, gs, per_sample=True, stochastic=config.stochastic)
+        stats.pinned = False
+        if stats.shares is None and stats.readers and _reads_tokens(layer) and mask is None:
+            shared = role_bits(layer_spec(layer), ROW_NORM)
+            stats.pinned = shared is not None and shared > bits
+            if stats.pinned:  # a hidden state several linears read: row-norm bits, no plan
+                return Quantize(shared, gs, per_sample=True, stochastic=config.stochastic)
         n = x.shape[0]
         collect = self.collecting()
         bits = self.prior_bits(layer, bits)
