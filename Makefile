@@ -12,11 +12,12 @@ TOX_ENVS ?=
 TOX_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help demo test lint format clean distclean
+.PHONY: help demo test lint format clean distclean gpu-check
 
 help:
 	@echo "make demo       set up .venv and run the demo (memory saved, accuracy kept)"
 	@echo "make test       set up .venv and run every tox env: each package's tests, integration, lint"
+	@echo "make gpu-check  (CUDA machine) install from the checkout, build the kernels, run the GPU check into OUT"
 	@echo "make lint       ruff check + ruff format --check"
 	@echo "make format     ruff format + ruff check --fix"
 	@echo "make clean      remove .tox and build/test caches (keeps .venv)"
@@ -40,6 +41,13 @@ demo: $(VENV)/.act-demo.stamp
 
 test: $(VENV)/.act-tools.stamp
 	$(VENV)/bin/tox $(if $(TOX_ENVS),-e $(TOX_ENVS)) $(TOX_ARGS)
+
+# The GPU check runs with the machine's own python (torch with CUDA), fetching nothing:
+# `make gpu-check OUT=dir` writes dir/gpu-check.json and dir/gpu-check.txt.
+OUT ?= gpu-check-out
+gpu-check:
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e packages/actcore -e packages/act-hf
+	$(PYTHON) benchmarks/gpu_check.py --out $(OUT)
 
 lint: $(VENV)/.act-tools.stamp
 	$(VENV)/bin/ruff check .

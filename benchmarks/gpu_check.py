@@ -1,0 +1,695 @@
+"""The GPU check: one command that proves the CUDA side of actcore in one short run.
+
+Each part runs in its own process under its own time cap (and all of them under
+``--budget``), and the merged results are rewritten after every part, so a part that
+hangs or runs out of time still leaves the earlier ones::
+
+    python3 benchmarks/gpu_check.py --out DIR            # on a CUDA machine (make gpu-check)
+    python3 benchmarks/gpu_check.py --out DIR --dry-run  # CPU, tiny sizes (CI)
+
+Parts, in order: ``env`` (device, driver, torch), ``build`` (the native kernels with
+ninja), ``tests`` (the GPU-marked tests: bit-exactness, opcheck), ``sync`` (host syncs of
+a steady L3 step, under ``torch.cuda.set_sync_debug_mode``), ``kernels`` (quantize and
+dequantize as a share of copy bandwidth), ``resnet`` (ResNet-50, bf16 autocast: step time
+and peak memory for plain, checkpointing, L2, L3, L4 = L3 + swap), ``llama`` (Llama 4x512,
+bf16 autocast: memory kept for backward and step time for sdpa, checkpointing, ACT,
+checkpointing + ACT), ``profile`` (host against kernel time of an L3 step, top ops),
+``peak-trace`` (where a batch-512 step peaks), ``max-batch-*`` (ResNet-50's largest batch,
+plain, checkpointing, L3). Output: ``DIR/gpu-check.json`` and ``DIR/gpu-check.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_FILES = [
+    "packages/actcore/tests/test_native.py",
+    "packages/actcore/tests/test_swap.py",
+    "packages/actcore/tests/test_memory.py",
+]
+# (part, cap in seconds on a GPU); the dry run caps every part at 300 s.
+PARTS: list[tuple[str, int]] = [
+    ("env", 30),
+    ("build", 180),
+    ("tests", 120),
+    ("sync", 45),
+    ("kernels", 45),
+    ("resnet", 100),
+    ("llama", 90),
+    ("profile", 60),
+    ("peak-trace", 60),
+    ("max-batch-fp", 40),
+    ("max-batch-ckpt", 40),
+    ("max-batch-L3", 60),
+]
+
+
+# ---------------------------------------------------------------------------- helpers
+def _device(dry: bool) -> Any:
+    import torch
+
+    if dry:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("the GPU check needs a CUDA device (use --dry-run on a CPU)")
+    return torch.device("cuda")
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _autocast(device: Any) -> Any:
+    import torch
+
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def _write(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+def _median_time(step: Callable[[], None], device: Any, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _peak(step: Callable[[], None], device: Any) -> dict[str, int | None]:
+    """Peak bytes allocated during ``step`` above what was allocated before it."""
+    import torch
+
+    if device.type != "cuda":
+        step()
+        return {"peak_bytes": None, "peak_above_start_bytes": None}
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    step()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return {"peak_bytes": peak, "peak_above_start_bytes": peak - start}
+
+
+def _held(model: Any, x: Any, device: Any) -> int | None:
+    """Bytes a training forward leaves allocated for backward (gradients set to None)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    model.zero_grad(set_to_none=True)
+    _sync(device)
+    before = torch.cuda.memory_allocated(device)
+    with _autocast(device):
+        out = model(x)
+    _sync(device)
+    held = torch.cuda.memory_allocated(device) - before - out.numel() * out.element_size()
+    out.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    return held
+
+
+def _classifier_step(model: Any, x: Any, y: Any, device: Any) -> Callable[[], None]:
+    """One forward + backward of a classifier under bf16 autocast (no optimizer)."""
+    import torch
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        with _autocast(device):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+
+    return step
+
+
+def _free(device: Any) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------- parts
+def part_env(dry: bool, out: Path) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cpu_count": os.cpu_count(),
+        "cuda_available": torch.cuda.is_available(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            gpu=props.name,
+            gpu_memory_bytes=props.total_memory,
+            capability=f"{props.major}.{props.minor}",
+            multiprocessors=props.multi_processor_count,
+        )
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            info["driver"] = smi.stdout.strip() or None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        rev = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+        info["commit"] = rev.stdout.strip() or None
+    return info
+
+
+def part_build(dry: bool, out: Path) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "actcore.native", "status" if dry else "build"]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    result = {
+        "command": " ".join(cmd[1:]),
+        "seconds": time.perf_counter() - t0,
+        "returncode": done.returncode,
+        "output_tail": (done.stdout + done.stderr)[-3000:],
+    }
+    if done.returncode:
+        raise RuntimeError(f"{result['command']} failed:\n{result['output_tail']}")
+    return result
+
+
+def part_tests(dry: bool, out: Path) -> dict[str, Any]:
+    import xml.etree.ElementTree as ET
+
+    xml = out / "tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TEST_FILES]
+    cmd += ["-k", "not compile_check", f"--junitxml={xml}"]
+    if dry:
+        cmd.append("--collect-only")
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    result: dict[str, Any] = {"returncode": done.returncode, "output_tail": done.stdout[-4000:]}
+    if xml.is_file():
+        suite = ET.parse(xml).getroot()
+        suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+        counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        failed = []
+        for case in suite.iter("testcase"):
+            bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+            if bad is not None:
+                msg = (bad.get("message") or "")[:300]
+                failed.append(f"{case.get('classname')}::{case.get('name')}: {msg}")
+        result.update(counts=counts, failed=failed)
+    return result
+
+
+def part_sync(dry: bool, out: Path) -> dict[str, Any]:
+    """Host syncs of one steady L3 step of ResNet-18 (after 3 warm steps)."""
+    import torch
+    import torchvision
+
+    import actcore
+
+    device = _device(dry)
+    torch.manual_seed(0)
+    model = actcore.convert(torchvision.models.resnet18(num_classes=10), level="L3").to(device)
+    size, batch = (32, 2) if dry else (112, 32)
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    step = _classifier_step(model, x, y, device)
+    for _ in range(3):
+        step()
+    _sync(device)
+    if device.type != "cuda":
+        step()
+        return {"syncs": None, "note": "CPU dry run: the step ran; syncs are counted on CUDA"}
+    sites: dict[str, int] = {}
+    total = 0
+
+    def show(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        nonlocal total
+        if "synchroniz" not in str(message):
+            return
+        total += 1
+        frames = [f for f in traceback.extract_stack() if "actcore" in f.filename]
+        key = (
+            f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}"
+            if frames
+            else f"(outside actcore) {Path(filename).name}:{lineno}"
+        )
+        sites[key] = sites.get(key, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return {"syncs": total, "sites": sites}
+
+
+def part_kernels(dry: bool, out: Path) -> dict[str, Any]:
+    from actcore.bench import kernels
+
+    device = _device(dry)
+    if device.type != "cuda":
+        return {"note": "CPU dry run: kernels time CUDA events only", "rows": []}
+    rows: list[dict[str, Any]] = []
+    for dtype in ("fp32", "bf16"):
+        cfg = kernels.KernelConfig(sizes=[1 << 24, 1 << 26], dtype=dtype, iters=10)
+        kernels.run(cfg, rows)
+        _write(out / "part-kernels.partial.json", rows)
+    worst = min(r["pct_of_copy"] for r in rows if r["op"] != "copy")
+    return {"rows": rows, "worst_pct_of_copy": worst}
+
+
+def _resnet(variant: str, device: Any, dry: bool) -> Any:
+    import torch
+    import torchvision
+
+    import actcore
+    from actcore.bench.zoo import checkpoint_blocks
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18() if dry else torchvision.models.resnet50()
+    if variant == "ckpt":
+        checkpoint_blocks(model)
+    elif variant != "fp":
+        actcore.convert(model, level=variant)
+    return model.to(device).train()
+
+
+def part_resnet(dry: bool, out: Path) -> dict[str, Any]:
+    import torch
+
+    device = _device(dry)
+    batch, size, repeats = (2, 32, 1) if dry else (64, 224, 5)
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+    rows = []
+    for variant in ("fp", "ckpt", "L2", "L3", "L4"):
+        model = _resnet(variant, device, dry)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step(model: Any = model, opt: Any = opt) -> None:
+            opt.zero_grad(set_to_none=True)
+            with _autocast(device):
+                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+            loss.backward()
+            opt.step()
+
+        for _ in range(2 if not dry else 1):
+            step()
+        opt.zero_grad(set_to_none=True)
+        row = {"variant": variant, "batch": batch, "image_size": size, **_peak(step, device)}
+        row["held_bytes"] = _held(model, x, device)
+        row["step_time_s"] = _median_time(step, device, repeats)
+        rows.append(row)
+        _write(out / "part-resnet.partial.json", rows)
+        del model, opt, step
+        _free(device)
+    fp = rows[0]
+    for row in rows:
+        row["step_vs_fp"] = row["step_time_s"] / fp["step_time_s"]
+        if fp["peak_above_start_bytes"]:
+            row["peak_ratio_fp"] = fp["peak_above_start_bytes"] / row["peak_above_start_bytes"]
+        if fp["held_bytes"]:
+            row["held_ratio_fp"] = fp["held_bytes"] / row["held_bytes"]
+    return {"rows": rows}
+
+
+def _llama(variant: str, device: Any, dry: bool) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import act_hf
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64 if dry else 512,
+        intermediate_size=128 if dry else 1376,
+        num_hidden_layers=2 if dry else 4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(cfg)
+    if variant.startswith("ckpt"):
+        model.gradient_checkpointing_enable()
+    if variant.endswith("act"):
+        act_hf.convert(model)
+    return model.to(device).train()
+
+
+def part_llama(dry: bool, out: Path) -> dict[str, Any]:
+    """Bytes held between forward and backward (memory_allocated after the forward minus
+    before it), the forward+backward peak, and step time; bf16 autocast, batch 2."""
+    import torch
+
+    device = _device(dry)
+    seq, repeats = (64, 1) if dry else (4096, 3)
+    ids = torch.randint(0, 1000, (2, seq), device=device)
+    rows = []
+    ref_grads = None
+    for variant in ("sdpa", "ckpt", "act", "ckpt+act"):
+        model = _llama(variant, device, dry)
+
+        def forward(model: Any = model) -> Any:
+            with _autocast(device):
+                return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+        forward().backward()  # the first step (the loss finds the head)
+        model.zero_grad(set_to_none=True)
+        row: dict[str, Any] = {"variant": variant, "seq": seq, "batch": 2}
+        if device.type == "cuda":
+            _sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            loss = forward()
+            _sync(device)
+            row["held_bytes"] = torch.cuda.memory_allocated(device) - before
+            loss.backward()
+            _sync(device)
+            row["peak_above_start_bytes"] = torch.cuda.max_memory_allocated(device) - before
+        else:
+            from actcore.memory import profiled_bytes
+
+            loss, row["held_bytes"] = profiled_bytes(forward)
+            loss.backward()
+        grads = torch.cat([p.grad.flatten().double() for p in model.parameters()])
+        ref_grads = grads if ref_grads is None else ref_grads
+        row["grad_cosine"] = torch.nn.functional.cosine_similarity(ref_grads, grads, 0).item()
+        row["step_time_s"] = _median_time(lambda f=forward: f().backward(), device, repeats)
+        model.zero_grad(set_to_none=True)
+        rows.append(row)
+        _write(out / "part-llama.partial.json", rows)
+        del model, forward, loss, grads
+        _free(device)
+    base = {r["variant"]: r for r in rows}
+    for row in rows:
+        row["held_ratio_sdpa"] = base["sdpa"]["held_bytes"] / max(row["held_bytes"], 1)
+        row["held_ratio_ckpt"] = base["ckpt"]["held_bytes"] / max(row["held_bytes"], 1)
+        row["step_vs_sdpa"] = row["step_time_s"] / base["sdpa"]["step_time_s"]
+    return {"rows": rows}
+
+
+def part_profile(dry: bool, out: Path) -> dict[str, Any]:
+    """Where an L3 ResNet-50 step spends its time: host (Python, dispatch) against device
+    kernels, and the ops that cost most of each (torch.profiler, one step after 3 warm)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    device = _device(dry)
+    batch, size = (2, 32) if dry else (64, 224)
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+    result: dict[str, Any] = {}
+    for variant in ("fp", "L3"):
+        model = _resnet(variant, device, dry)
+
+        step = _classifier_step(model, x, y, device)
+        for _ in range(3):
+            step()
+        _sync(device)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        t0 = time.perf_counter()
+        with profile(activities=acts) as prof:
+            step()
+            _sync(device)
+        wall = time.perf_counter() - t0
+        events = prof.key_averages()
+        dev_attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        by_dev = sorted(events, key=lambda e: getattr(e, dev_attr, 0), reverse=True)
+        by_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
+        result[variant] = {
+            "wall_s": wall,
+            "ops": sum(e.count for e in events if e.key.startswith("aten::")),
+            "device_s": sum(getattr(e, dev_attr, 0) for e in events) / 1e6,
+            "top_device": [
+                (e.key[:60], e.count, round(getattr(e, dev_attr, 0) / 1e3, 2)) for e in by_dev[:15]
+            ],
+            "top_host": [
+                (e.key[:60], e.count, round(e.self_cpu_time_total / 1e3, 2)) for e in by_cpu[:15]
+            ],
+        }
+        _write(out / "part-profile.partial.json", result)
+        del model, step
+        _free(device)
+    return result
+
+
+def part_peak_trace(dry: bool, out: Path) -> dict[str, Any]:
+    """Where a ResNet-50 step (batch 512) reaches its peak: the allocator's high mark between
+    consecutive marks, one after each leaf module's forward and one before each autograd
+    node's backward."""
+    import torch
+
+    device = _device(dry)
+    cuda = device.type == "cuda"
+    batch, size = (2, 32) if dry else (512, 224)
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+    result: dict[str, Any] = {}
+    for variant in ("fp", "ckpt", "L3"):
+        model = _resnet(variant, device, dry)
+        marks: list[tuple[str, int, int]] = []
+
+        def mark(tag: str, marks: list = marks) -> None:
+            peak = torch.cuda.max_memory_allocated() if cuda else 0
+            marks.append((tag, peak, torch.cuda.memory_allocated() if cuda else 0))
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+
+        handles = [
+            mod.register_forward_hook(lambda m, i, o, n=name: mark("f " + n))
+            for name, mod in model.named_modules()
+            if next(mod.children(), None) is None
+        ]
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        base = torch.cuda.memory_allocated() if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        with _autocast(device):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        mark("loss")
+        seen, todo = set(), [loss.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            tag = f"b {node.name()} #{len(seen)}"
+            handles.append(node.register_prehook(lambda g, t=tag: mark(t)))
+            todo.extend(fn for fn, _ in node.next_functions)
+        loss.backward()
+        _sync(device)
+        mark("end")
+        for h in handles:
+            h.remove()
+        top = sorted(marks, key=lambda m: m[1], reverse=True)[:8]
+        after_forward = next(m for m in marks if m[0] == "loss")[2]
+        result[variant] = {
+            "batch": batch,
+            "base_mib": round(base / 2**20),
+            "peak_above_base_mib": round((top[0][1] - base) / 2**20),
+            "after_forward_mib": round((after_forward - base) / 2**20),
+            "top_intervals_mib": [
+                (t, round((p - base) / 2**20), round((a - base) / 2**20)) for t, p, a in top
+            ],
+        }
+        _write(out / "part-peak-trace.partial.json", result)
+        del model, loss, marks, handles, seen, todo
+        _free(device)
+    return result
+
+
+def _max_batch(variant: str, dry: bool, out: Path) -> dict[str, Any]:
+    """Doubling from 32, then bisection; each try is written out as it finishes."""
+    import torch
+
+    from actcore.bench import maxbatch
+
+    device = _device(dry)
+    size = 32 if dry else 224
+    model = _resnet(variant, device, dry)
+    cfg = maxbatch.MaxBatchConfig(amp="bf16", device=str(device))
+    tries: list[dict[str, Any]] = []
+    state = {"variant": variant, "image_size": size, "max_batch": 0, "tries": tries}
+
+    def attempt(batch: int) -> bool:
+        if dry:
+            fit = batch <= 4
+            model(torch.randn(2, 3, size, size)).sum().backward()
+            seconds = 0.0 if fit else None
+        else:
+            seconds = maxbatch.fits(model, (3, size, size), 1000, batch, cfg)
+        tries.append({"batch": batch, "fits": seconds is not None, "step_time_s": seconds})
+        if seconds is not None:
+            state["max_batch"] = max(state["max_batch"], batch)
+        _write(out / f"part-max-batch-{variant}.partial.json", state)
+        return seconds is not None
+
+    good, batch = 0, 2 if dry else 32
+    while attempt(batch):
+        good, batch = batch, batch * 2
+    bad = batch
+    while bad - good > max(1, good // 32):  # within 3%: enough for a ratio
+        mid = (good + bad) // 2
+        if attempt(mid):
+            good = mid
+        else:
+            bad = mid
+    return state
+
+
+PART_FUNCS: dict[str, Callable[[bool, Path], dict[str, Any]]] = {
+    "env": part_env,
+    "build": part_build,
+    "tests": part_tests,
+    "sync": part_sync,
+    "kernels": part_kernels,
+    "resnet": part_resnet,
+    "llama": part_llama,
+    "profile": part_profile,
+    "peak-trace": part_peak_trace,
+    "max-batch-fp": lambda dry, out: _max_batch("fp", dry, out),
+    "max-batch-ckpt": lambda dry, out: _max_batch("ckpt", dry, out),
+    "max-batch-L3": lambda dry, out: _max_batch("L3", dry, out),
+}
+
+
+# ---------------------------------------------------------------------------- driver
+def summary(results: dict[str, Any]) -> list[str]:
+    """The short text table: one line per part, then the targets of the GPU issue."""
+    lines = []
+    for name, res in results["parts"].items():
+        lines.append(f"{name:16s} {res['status']:8s} {res['seconds']:7.1f} s")
+    get = results["parts"].get
+    tests = (get("tests") or {}).get("result") or {}
+    if "counts" in tests:
+        lines.append(f"tests: {tests['counts']}; failed: {len(tests.get('failed', []))}")
+    kern = (get("kernels") or {}).get("result") or {}
+    if kern.get("worst_pct_of_copy") is not None:
+        lines.append(f"kernels: worst {kern['worst_pct_of_copy']:.0f}% of copy (target >= 80%)")
+    for row in ((get("resnet") or {}).get("result") or {}).get("rows", []):
+        peak = row.get("peak_above_start_bytes")
+        lines.append(
+            f"resnet50 {row['variant']:5s} step {row['step_time_s'] * 1e3:8.1f} ms "
+            f"x{row.get('step_vs_fp', 0):.2f}  peak "
+            + (f"{peak / 2**20:9.0f} MiB x{row.get('peak_ratio_fp', 0):.2f}" if peak else "-")
+        )
+    for row in ((get("llama") or {}).get("result") or {}).get("rows", []):
+        lines.append(
+            f"llama {row['variant']:9s} held {row['held_bytes'] / 2**20:8.1f} MiB "
+            f"x{row['held_ratio_sdpa']:.2f} (vs ckpt x{row['held_ratio_ckpt']:.2f}) "
+            f"cos {row['grad_cosine']:.4f} step x{row['step_vs_sdpa']:.2f}"
+        )
+    batches = {}
+    for variant in ("fp", "ckpt", "L3"):
+        res = (get(f"max-batch-{variant}") or {}).get("result") or {}
+        if res:
+            batches[variant] = res["max_batch"]
+    if batches:
+        lines.append("max batch: " + ", ".join(f"{k} {v}" for k, v in batches.items()))
+    return lines
+
+
+def run_part(name: str, cap: float, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--part", name, "--out", str(args.out)]
+    if args.dry_run:
+        cmd.append("--dry-run")
+    t0 = time.perf_counter()
+    log = args.out / f"part-{name}.log"
+    with open(log, "w") as fh:
+        try:
+            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=cap).returncode
+            status = "ok" if rc == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+    res: dict[str, Any] = {"status": status, "seconds": time.perf_counter() - t0, "cap_s": cap}
+    done = args.out / f"part-{name}.json"
+    partial = args.out / f"part-{name}.partial.json"
+    if done.is_file():
+        res["result"] = json.loads(done.read_text())
+    elif partial.is_file():
+        res["partial"] = json.loads(partial.read_text())
+    if status != "ok":
+        res["log_tail"] = log.read_text()[-3000:]
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True, help="folder for the JSON and text table")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, each part once")
+    p.add_argument("--budget", type=float, default=540.0, help="seconds for all parts")
+    p.add_argument("--parts", default=",".join(n for n, _ in PARTS))
+    p.add_argument("--part", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.part:
+        result = PART_FUNCS[args.part](args.dry_run, args.out)
+        _write(args.out / f"part-{args.part}.json", result)
+        return 0
+    wanted = args.parts.split(",")
+    unknown = sorted(set(wanted) - set(PART_FUNCS))
+    if unknown:
+        p.error(f"unknown parts {unknown}; choose from {', '.join(PART_FUNCS)}")
+    deadline = time.monotonic() + args.budget
+    results: dict[str, Any] = {"benchmark": "gpu-check", "dry_run": args.dry_run, "parts": {}}
+    for name, cap in PARTS:
+        if name not in wanted:
+            continue
+        left = deadline - time.monotonic()
+        if left < 5:
+            results["parts"][name] = {"status": "skipped", "seconds": 0.0, "why": "budget"}
+            _write(args.out / "gpu-check.json", results)
+            (args.out / "gpu-check.txt").write_text("\n".join(summary(results)) + "\n")
+            continue
+        res = run_part(name, 300.0 if args.dry_run else min(cap, left), args)
+        results["parts"][name] = res
+        _write(args.out / "gpu-check.json", results)
+        text = "\n".join(summary(results)) + "\n"
+        (args.out / "gpu-check.txt").write_text(text)
+        print(f"{name}: {res['status']} in {res['seconds']:.1f} s", flush=True)
+    print((args.out / "gpu-check.txt").read_text())
+    bad = [n for n, r in results["parts"].items() if r["status"] != "ok"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
