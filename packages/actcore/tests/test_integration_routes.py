@@ -135,6 +135,14 @@ def _bert_mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(HIDDEN, 3072), nn.GELU(), nn.Linear(FFN, HIDDEN))
 
 
+def _apart_bytes(channels: int, rows: int, exact: bool) -> int:
+    """What keeping outlier channels apart adds (ChannelScaled): an int8 scale exponent per
+    channel and, where backward may be nonlinear in the tensor (``exact``), one channel per
+    256 kept as it is (fp32 rows) with its int64 index."""
+    kept = -(-channels // 256) if exact else 0
+    return channels + kept * (rows * 4 + 8)
+
+
 def _quantized_bytes(numel: int, bits: int, group: int = 256) -> int:
     """Codes at ``bits`` per element plus a bf16 minimum and a bf16 step per group."""
     assert numel % group == 0 and numel * bits % 8 == 0
@@ -191,6 +199,15 @@ def test_mlp_bytes_with_quantized_linears_both_routes(tokens: int) -> None:
     n_in, n_mid = tokens * HIDDEN, tokens * FFN
     gelu_3bit = n_mid * 3 // 8
     q_in, q_mid = _quantized_bytes(n_in, 4), _quantized_bytes(n_mid, 4)
+    # linear inputs: outlier channels scaled apart; on the hooks route also kept exact
+    lin_in, lin_mid = (
+        q_in + _apart_bytes(HIDDEN, tokens, False),
+        q_mid + _apart_bytes(FFN, tokens, False),
+    )
+    hook_in, hook_mid = (
+        q_in + _apart_bytes(HIDDEN, tokens, True),
+        q_mid + _apart_bytes(FFN, tokens, True),
+    )
     got = {}
     for fb in (None, 3):
         got[f"convert L1 fewbit={fb}"] = _retained(
@@ -207,12 +224,12 @@ def test_mlp_bytes_with_quantized_linears_both_routes(tokens: int) -> None:
         # convert keeps a plain GELU's input at 4 bits and the second linear refers to it
         # (its input is the GELU's output, derived from that); the Controller keeps both;
         # with layers_only the GELU's input stays in fp32
-        "convert L1 fewbit=None": q_in + q_mid,
-        "convert L1 layers only fewbit=None": q_in + n_mid * 4 + q_mid,
-        "Controller L1 fewbit=None": q_in + q_mid + q_mid,
-        "convert L1 fewbit=3": q_in + gelu_3bit + q_mid,
-        "convert L1 layers only fewbit=3": q_in + gelu_3bit + q_mid,
-        "Controller L1 fewbit=3": q_in + gelu_3bit + q_mid,
+        "convert L1 fewbit=None": lin_in + q_mid,
+        "convert L1 layers only fewbit=None": lin_in + n_mid * 4 + lin_mid,
+        "Controller L1 fewbit=None": hook_in + hook_mid + hook_mid,
+        "convert L1 fewbit=3": lin_in + gelu_3bit + lin_mid,
+        "convert L1 layers only fewbit=3": lin_in + gelu_3bit + lin_mid,
+        "Controller L1 fewbit=3": hook_in + gelu_3bit + hook_mid,
     }
 
 

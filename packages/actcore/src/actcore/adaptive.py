@@ -100,7 +100,7 @@ from .compressors import (
     sample_range_weights,
 )
 from .config import config
-from .stash import CONV, NORM, ROW_NORM, layer_spec, records, role_bits
+from .stash import CONV, NORM, ROW_NORM, batch_norm_bits, layer_spec, records, role_bits
 
 __all__ = ["AdaptiveBits", "ScoredPerSampleQuantize"]
 
@@ -112,6 +112,17 @@ log = logging.getLogger("actcore")
 def _reads_tokens(layer: Any) -> bool:
     """A linear layer (features along the last dim of its input)."""
     return isinstance(layer, nn.Linear)
+
+
+def _merged(counts: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """``counts`` (most bits first) with runs of equal bits joined."""
+    out: list[tuple[int, int]] = []
+    for bits, count in counts:
+        if out and out[-1][0] == bits:
+            out[-1] = (bits, out[-1][1] + count)
+        else:
+            out.append((bits, count))
+    return tuple(out)
 
 
 class AdaptiveBits:
@@ -270,6 +281,9 @@ class AdaptiveBits:
         stats.zero_value = False
         elems = float(x[0].numel())
         counts = self._counts(stats, n, bits)
+        if role == NORM:  # a batch norm's floor for its few values per channel
+            floor = batch_norm_bits(x)
+            counts = _merged(tuple((max(b, floor), c) for b, c in counts))
         if len(counts) == 1:  # one width for every sample: nothing to rank
             plain = Quantize(counts[0][0], gs, per_sample=True, stochastic=config.stochastic)
             return _Recording(plain, self, stats, n, elems, scale) if collect else plain

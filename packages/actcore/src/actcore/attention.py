@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from .compressors import IDENTITY
 from .forward_state import forward_state, plain_saves, replayed
-from .stash import OTHER, stash, unstash
+from .stash import OTHER, choose, stash, unstash
 
 __all__ = ["AttentionFunction", "attention"]
 
@@ -66,7 +66,9 @@ class AttentionFunction(torch.autograd.Function):
         ctx.args = (dropout_p, is_causal, scale, enable_gqa)
         mask_tensor = mask if isinstance(mask, torch.Tensor) else None
         ctx.mask_value = None if mask_tensor is not None else mask
-        stash(ctx, layer, [(q, OTHER), (k, OTHER), (v, OTHER), (mask_tensor, IDENTITY)])
+        # (each head's features are the channels an outlier sits in)
+        q_, k_, v_ = (choose(layer, OTHER, t, channel_dim=-1) for t in (q, k, v))
+        stash(ctx, layer, [(q, q_), (k, k_), (v, v_), (mask_tensor, IDENTITY)])
         return out
 
     @staticmethod

@@ -167,6 +167,10 @@ class Config:
     stochastic: bool = True
     # skip compression of tensors smaller than this many elements (metadata would dominate)
     min_numel: int = 1024
+    # smooth activations keep their derivative, stochastically rounded (an unbiased input
+    # gradient; the next layer keeps its own copy of the output), instead of their input
+    # recomputed in backward (fewer bytes and less noise, but biased: see README)
+    keep_derivatives: bool = False
     extra: dict = field(default_factory=dict)
 
     @property

@@ -43,8 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .config import LevelSpec
+from .config import LevelSpec, config
 from .fewbit import functional as FB
+from .layers.derivative import keep_derivative
 from .layers.recompute import recompute
 from .loss import ROW_FUNCS, note_rows
 from .stash import NORMALIZED, derive_from, in_checkpoint, note_output
@@ -152,6 +153,8 @@ def _fewbit(fn: Callable[..., Tensor], names: tuple[str, ...], smooth: bool = Tr
             return NotImplemented
         name = fn.__name__
         torch_fn = getattr(torch, name) if name in ("sigmoid", "tanh") else getattr(F, name)
+        if config.keep_derivatives:
+            return keep_derivative(x, lambda t: torch_fn(t, **params), router.layer)
         return recompute(x, lambda t: torch_fn(t, **params), router.layer)
 
     return handle

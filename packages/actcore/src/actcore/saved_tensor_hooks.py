@@ -52,7 +52,16 @@ import torch
 from torch import Tensor, nn
 
 from . import memory, ops, rng, stash
-from .compressors import Compressor, MaskBits, Quantize, SeededQuantize, Swap, ZeroValue
+from .compressors import (
+    ChannelScaled,
+    Compressor,
+    MaskBits,
+    Quantize,
+    SeededQuantize,
+    Swap,
+    ZeroValue,
+)
+from .compressors.channel_scaled import scaled
 from .op_mode import DataMarks, OpMode, created_by_attention
 from .pass_stats import PassStats, record_stats
 from .policies import as_policy
@@ -365,6 +374,8 @@ class SavedTensorHooks:
                 comp = SeededQuantize(bits, self.group_size, seed=seeds.get(key, 0))
             else:
                 comp = self._compressor(bits, self.policy.swap)
+            # outlier channels apart (some exact: the op's backward may be nonlinear in t)
+            comp = scaled(comp, data, self.group_size, exact=True)
             known = stash.mask_of(t) if plain else None
             fn = t.grad_fn
             if known is not None:  # a ReLU's own 1-bit mask: keep the nonzeros only
@@ -378,7 +389,8 @@ class SavedTensorHooks:
         if plain and mask is None and comp.lossy:  # a Q-layer saving t later reuses it
             stash.remember_packing(t, comp, tuple(tensors), meta)
         if self.stats is not None and bits is not None:
-            self._record_stats(key, bits, data.numel(), tensors, meta)
+            inner = tensors[: meta[1]] if isinstance(comp, ChannelScaled) else tensors
+            self._record_stats(key, bits, data.numel(), inner, meta)
         if h.ref is not None:
             self._dedup[dkey] = (h.ref, weakref.ref(stored))
             if len(self._dedup) > self._prune_at:

@@ -10,6 +10,7 @@ ReLU output saved by the next layer reuses the ReLU's own 1-bit mask at levels w
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -17,10 +18,12 @@ from typing import Any
 import torch
 
 from .compressors import IDENTITY, Compressor, Derived, Quantize, Swap, Tensors, ZeroValue
+from .compressors.channel_scaled import scaled
 from .config import LevelSpec, config, level_spec
 
 __all__ = [
     "ACTIVATION",
+    "BATCH_NORM_BIAS",
     "CONV",
     "EXPANSION",
     "NARROW_BITS",
@@ -29,6 +32,7 @@ __all__ = [
     "OTHER",
     "ROW_NORM",
     "Part",
+    "batch_norm_bits",
     "choose",
     "derive",
     "derive_from",
@@ -57,6 +61,9 @@ ROW_NORM = "row_norm"  # inputs of layer / group / RMS norms, F.normalize's unit
 ACTIVATION = "activation"  # inputs of smooth activations (their outputs derive from them)
 OTHER = "other"  # anything else the forward saves (the saved-tensor hooks' tensors)
 NORMALIZED = ROW_NORM  # (the unit vectors of F.normalize are kept as row-norm inputs)
+_SCALED_ROLES = frozenset({CONV, ROW_NORM, OTHER})
+"""Roles whose tensors may carry outlier channels (a batch norm's normalized input has none
+by construction; an activation's derivative is bounded)."""
 
 
 EXPANSION = 8
@@ -71,6 +78,27 @@ NARROW_BITS = 8
 def _expands(layer: Any) -> bool:
     fan_in, fan_out = getattr(layer, "in_features", 0), getattr(layer, "out_features", 0)
     return isinstance(fan_in, int) and fan_in > 0 and fan_out >= EXPANSION * fan_in
+
+
+BATCH_NORM_BIAS = 2e-3
+"""The largest relative bias a batch norm's input gradient may get from its rounded input
+(see :func:`batch_norm_bits`): 0.2%, against tens of percent of rounding noise in one
+step's gradient, so the mean over hundreds of steps still sees noise, not bias."""
+
+
+def batch_norm_bits(x: torch.Tensor) -> int:
+    """The fewest bits (1..8) for a batch norm's normalized input ``x`` that keep the bias of
+    its input gradient within :data:`BATCH_NORM_BIAS`.
+
+    That gradient is ``x_hat * mean(grad * x_hat)`` (and linear terms) per channel: quadratic
+    in the rounded ``x_hat``, so each element's own rounding variance enters it, relative
+    size ``var / N`` for ``N`` values per channel. With ``x_hat`` within +-3 and a step of
+    ``6 / (2^b - 1)`` (variance at most step^2 / 4), ``2^b - 1 >= 3 / sqrt(N * bias)``: 2
+    bits from about 500 values per channel, 5 bits at 16 (a 2x2 map, batch 4).
+    """
+    n = x.numel() // max(1, x.shape[1]) if x.dim() >= 2 else x.numel()
+    levels = 3.0 / math.sqrt(max(1, n) * BATCH_NORM_BIAS)
+    return min(8, max(1, math.ceil(math.log2(1.0 + levels))))
 
 
 def role_bits(spec: LevelSpec, role: str) -> int | None:
@@ -156,8 +184,11 @@ def in_checkpoint() -> bool:
     ).startswith(_CHECKPOINT_HOOKS)
 
 
-def choose(layer: Any, role: str, x: torch.Tensor) -> Compressor:
+def choose(layer: Any, role: str, x: torch.Tensor, channel_dim: int | None = None) -> Compressor:
     """The compressor for tensor ``x`` that ``layer`` saves in ``role``.
+
+    ``channel_dim``: the dim of ``x``'s channels, for keeping outlier channels apart
+    (:class:`~actcore.compressors.ChannelScaled`); None infers it from the shape.
 
     A layer's ``act_scheme`` (e.g. :class:`actcore.adaptive.AdaptiveBits`), when set, is
     asked first through ``scheme.compressor(layer, role, x, bits, mask)`` (``bits``: the
@@ -185,6 +216,8 @@ def choose(layer: Any, role: str, x: torch.Tensor) -> Compressor:
         record = _records.get(x) if spec.zero_value else None
         mask = record.get("mask") if record is not None else None
         scheme = getattr(layer, "act_scheme", None)
+        if role == NORM:  # few values per channel: finer (adaptive plans keep the floor)
+            bits = max(bits, batch_norm_bits(x))
         chosen = None if scheme is None else scheme.compressor(layer, role, x, bits, mask)
         if chosen is not None:
             base = chosen
@@ -192,6 +225,9 @@ def choose(layer: Any, role: str, x: torch.Tensor) -> Compressor:
             base = ZeroValue(mask, Quantize(bits, config.group_size, per_sample=False))
         else:
             base = Quantize(bits, config.group_size, stochastic=config.stochastic)
+        if role in _SCALED_ROLES and not isinstance(base, ZeroValue):
+            # outlier channels apart; exact where backward is nonlinear in the tensor
+            base = scaled(base, x, config.group_size, exact=role != CONV, dim=channel_dim)
     return Swap(base) if spec.swap else base
 
 

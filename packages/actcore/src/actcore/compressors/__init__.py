@@ -13,6 +13,8 @@ lives in a module of its own:
   sample (and :func:`sample_range_weights`, which ranks the samples);
 * :mod:`~actcore.compressors.scored_per_sample_quantize`: :class:`ScoredPerSampleQuantize`,
   samples ranked by given scores (adaptive bits' per-dataset-sample weights);
+* :mod:`~actcore.compressors.channel_scaled`: :class:`ChannelScaled`, outlier channels
+  scaled down before another compressor packs;
 * :mod:`~actcore.compressors.mask_bits`: :class:`MaskBits`, a bool tensor at 1 bit;
 * :mod:`~actcore.compressors.zero_value`: :class:`ZeroValue`, a mask and the nonzeros;
 * :mod:`~actcore.compressors.derived`: :class:`Derived`, rebuilt from other packings;
@@ -25,6 +27,7 @@ lives in a module of its own:
 from __future__ import annotations
 
 from .base import IDENTITY, Compressor, Tensors
+from .channel_scaled import ChannelScaled
 from .derived import Derived
 from .mask_bits import MaskBits
 from .per_sample_quantize import PerSampleQuantize, sample_range_weights
@@ -37,6 +40,7 @@ from .zero_value import ZeroValue
 
 __all__ = [
     "IDENTITY",
+    "ChannelScaled",
     "Compressor",
     "Derived",
     "MaskBits",

@@ -9,7 +9,8 @@ Two kinds go this way:
   square per row, compressed at the level's row-norm bits, next to that root mean square exact;
 * smooth activations (``F.gelu``, ``F.silu``, ``torch.tanh``... and registered activation
   modules such as transformers' ``NewGELUActivation``): their input is kept at the level's
-  activation bits.
+  activation bits (with ``actcore.config.keep_derivatives``, their derivative instead:
+  :mod:`.derivative`).
 
 The forward is the module's (or functional's) own, once, so the output is bitwise the
 same. Backward rebuilds the input and differentiates that same forward again: whatever
@@ -29,6 +30,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..compressors import IDENTITY
+from ..config import config
 from ..forward_state import forward_state, plain_saves, replayed
 from ..stash import (
     ACTIVATION,
@@ -40,6 +42,7 @@ from ..stash import (
     stash,
     unstash,
 )
+from .derivative import keep_derivative
 
 __all__ = [
     "RecomputeFunction",
@@ -132,6 +135,8 @@ class RecomputedModule:
         params = list(self.parameters())  # type: ignore[attr-defined]
         if not self._compresses(x, *params):  # type: ignore[attr-defined]
             return self.plain_forward(x)
+        if not self.act_normalize and not params and config.keep_derivatives:
+            return keep_derivative(x, self.plain_forward, self)  # unbiased: see .derivative
         out = RecomputeFunction.apply(x, self.plain_forward, self, self.act_normalize, *params)
         return note_output(out)
 

@@ -1,0 +1,148 @@
+"""``ChannelScaled``: outlier channels kept apart before another compressor packs.
+
+Quantization groups run along memory, so in a ``[tokens, features]`` tensor every group
+holds every feature. One outlier feature (common in language models' hidden states, or
+after a weight row that grew) then sets the rounding step of all its group's other
+elements: 200x larger values there make the step 200x coarser for the 255 others. And a
+backward that is nonlinear in the saved tensor (a norm's ``x_hat * mean(g * x_hat)``,
+attention's softmax of ``q k^T``) turns the outlier's own rounding variance into a bias.
+
+``ChannelScaled(inner, dim, exact)`` keeps the ``exact`` channels of largest magnitude along
+``dim`` as they are, divides each other channel whose largest magnitude is above ``ratio``
+times the median channel's by its excess, packs that with ``inner``, and undoes both on
+unpacking. Channels within ``ratio`` of the median are divided and multiplied by exactly 1.
+The scales are powers of two, kept as one int8 exponent per channel, so dividing and
+multiplying by them is exact in every float dtype and stochastic rounding stays unbiased:
+``E[s * q(x / s)] = x``. No host synchronisation: scales and the top channels are computed
+on the device, with a fixed count, never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .base import Compressor, Tensors
+
+__all__ = [
+    "OUTLIER_RATIO",
+    "ChannelScaled",
+    "channel_dim",
+    "channel_scales",
+    "exact_channels",
+    "scaled",
+]
+
+OUTLIER_RATIO = 4.0
+"""A channel is an outlier when its largest magnitude exceeds this many times the median
+channel's; it is then scaled down to that bound."""
+
+_MAX_SCALE = 2.0**20  # a channel is never divided by more (nor by a non-finite scale)
+
+
+def _channel_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    others = [d for d in range(x.dim()) if d != dim]
+    return x.detach().abs().amax(dim=others, keepdim=True).float()
+
+
+def channel_scales(x: torch.Tensor, dim: int, ratio: float = OUTLIER_RATIO) -> torch.Tensor:
+    """Per-channel divisors (fp32 powers of two, shaped to broadcast against ``x``): 1 for
+    channels within ``ratio`` times the median channel's largest magnitude, else the excess
+    over it rounded up to a power of two."""
+    return _scales(_channel_amax(x, dim % x.dim()), ratio)
+
+
+def _scales(amax: torch.Tensor, ratio: float) -> torch.Tensor:
+    return torch.exp2(_exponents(amax, ratio).float())
+
+
+def _exponents(amax: torch.Tensor, ratio: float) -> torch.Tensor:
+    """int8 ``e`` per channel: the channel is divided by ``2**e`` (0 within the bound)."""
+    bound = amax.flatten().median() * ratio
+    bound = torch.maximum(bound, amax.max() / _MAX_SCALE)  # mostly-zero channels
+    scale = (amax / bound).nan_to_num_(nan=1.0, posinf=_MAX_SCALE)
+    return scale.clamp_(1.0, _MAX_SCALE).log2_().ceil_().to(torch.int8)
+
+
+def exact_channels(channels: int) -> int:
+    """How many channels of largest magnitude a tensor with ``channels`` channels keeps exact
+    where its backward is nonlinear in it: one per 256 channels (at least one)."""
+    return max(1, -(-channels // 256))
+
+
+def channel_dim(x: torch.Tensor, group_size: int) -> int | None:
+    """The channel dim along which ``x``'s quantization groups mix channels, if they do:
+    the last of a 2-D or 3-D tensor (``[tokens, features]``, ``[batch, tokens, features]``),
+    dim 1 of a 4-D or 5-D one (``[batch, channels, *spatial]``) whose spatial size is not a
+    multiple of ``group_size`` (else every group lies inside one channel); else None."""
+    if x.dim() in (2, 3):
+        return -1 if x.shape[-1] > 1 else None
+    if x.dim() in (4, 5):
+        spatial = x[0, 0].numel()
+        return 1 if spatial % group_size and x.shape[1] > 1 else None
+    return None
+
+
+def scaled(
+    comp: Compressor,
+    x: torch.Tensor,
+    group_size: int,
+    exact: bool = False,
+    dim: int | None = None,
+) -> Compressor:
+    """``comp`` wrapped in :class:`ChannelScaled` where ``x``'s groups mix channels
+    (``exact``: with :func:`exact_channels` of them kept as they are); ``dim``: the channel
+    dim when the caller knows it (else :func:`channel_dim`)."""
+    if dim is None:
+        dim = channel_dim(x, group_size)
+    if dim is None or x.dim() == 0 or x.shape[dim] < 2:
+        return comp
+    keep = exact_channels(x.shape[dim]) if exact else 0
+    return ChannelScaled(comp, dim, exact=min(keep, x.shape[dim] - 1))
+
+
+@dataclass(frozen=True)
+class ChannelScaled(Compressor):
+    """``inner`` applied to ``x`` with its outlier channels along ``dim`` kept apart (see
+    the module doc): the ``exact`` largest kept as they are, the others above ``ratio``
+    times the median channel scaled down."""
+
+    inner: Compressor
+    dim: int = -1
+    ratio: float = OUTLIER_RATIO
+    exact: int = 0
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "channel_scaled"
+
+    @property
+    def lossy(self) -> bool:  # type: ignore[override]
+        return self.inner.lossy
+
+    def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
+        dim = self.dim % x.dim()
+        amax = _channel_amax(x, dim)
+        extra: tuple[torch.Tensor, ...] = ()
+        if self.exact:
+            top = amax.flatten().topk(self.exact).indices
+            extra = (x.index_select(dim, top), top)
+            x = x.index_fill(dim, top, 0)
+            amax = amax.index_fill(dim, top, 0)
+        exponents = _exponents(amax, self.ratio)
+        tensors, meta = self.inner.pack(x / torch.exp2(exponents.float()).to(x.dtype))
+        return (*tensors, exponents, *extra), (meta, len(tensors), dim)
+
+    def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
+        inner_meta, count, dim = meta
+        x = self.inner.unpack(tuple(tensors[:count]), inner_meta)
+        x = x * torch.exp2(tensors[count].float()).to(x.dtype)
+        if self.exact:
+            kept, top = tensors[count + 1], tensors[count + 2]
+            x = x.index_copy_(dim, top, kept.to(x.dtype))
+        return x
+
+    def key(self) -> tuple:
+        return (self.name, self.dim, self.ratio, self.exact, *self.inner.key())

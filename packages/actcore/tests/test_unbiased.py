@@ -1,0 +1,318 @@
+"""Compressed gradients are unbiased: the mean of n of them converges to the exact gradient
+like 1/sqrt(n), for every kind of tensor a model saves, on both routes, with and without an
+outlier channel.
+
+Stochastic rounding adds noise of zero mean; a backward that is linear in each rounded
+tensor keeps it zero-mean, so the error of the mean of n independent compressed gradients
+has expected square ``s^2 / n`` (``s^2``: the mean square error of one). A bias ``b`` adds
+``b^2`` that no n removes. Each case draws n = 64 gradients of the same batch (fresh
+rounding every step) and asserts that the error of their mean is at most 1.5x
+``s / sqrt(n)``, with ``s`` the root mean square of the 64 single-step errors (so a plan
+that changes bits between steps is judged by the noise it really had): for a gradient of
+thousands of elements that ratio concentrates near 1 when unbiased, and a bias as small as
+15% of one step's noise pushes it past 1.5. Checked for the whole model and for each weight
+matrix's gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import actcore
+
+N_STEPS = 64
+LIMIT = 1.5
+OUTLIER = 200.0
+
+
+def _loss(out: Tensor, weights: Tensor) -> Tensor:
+    """A fixed random projection of the output: its gradient is the same full-rank tensor
+    every step (a squared loss would make it follow the outlier channel, concentrating the
+    noise in a single direction, whose error of the mean no longer concentrates)."""
+    return (out * weights).sum() / out.numel()
+
+
+def _ratios(model: nn.Module, x: Tensor, route: str, level: str) -> dict[str, float]:
+    """``error of the mean of N_STEPS gradients / (rms single-step error / sqrt(N_STEPS))``,
+    for the whole model (``"all"``) and each weight matrix."""
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        weights = torch.randn_like(reference(x))
+    reference.zero_grad()
+    _loss(reference(x), weights).backward()
+    names = [n for n, p in reference.named_parameters() if p.dim() >= 2]
+    true = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+    compressed = copy.deepcopy(model)
+    controller = None
+    if route == "convert":
+        compressed = actcore.convert(compressed, level=level)
+    else:
+        controller = actcore.Controller(compressed, level=level)
+        controller.install_hook()
+    keys = ["all", *names]
+    total = {k: torch.zeros_like(true[k]) if k != "all" else None for k in keys}
+    square = dict.fromkeys(keys, 0.0)
+    whole_true = torch.cat([t.flatten() for t in true.values()])
+    whole_sum = torch.zeros_like(whole_true)
+    try:
+        for _ in range(N_STEPS):
+            compressed.zero_grad()
+            _loss(compressed(x), weights).backward()
+            grads = {n: p.grad.detach() for n, p in compressed.named_parameters()}
+            whole = torch.cat([grads[n].flatten() for n in true])
+            whole_sum += whole
+            square["all"] += float((whole - whole_true).norm() / whole_true.norm()) ** 2
+            for n in names:
+                total[n] += grads[n]
+                square[n] += float((grads[n] - true[n]).norm() / true[n].norm()) ** 2
+    finally:
+        if controller is not None:
+            controller.uninstall_hook()
+    ratios = {}
+    for k in keys:
+        mean = whole_sum / N_STEPS if k == "all" else total[k] / N_STEPS
+        ref = whole_true if k == "all" else true[k]
+        error = float((mean - ref).norm() / ref.norm())
+        noise = math.sqrt(square[k] / N_STEPS)
+        assert noise > 0, f"{k}: no rounding noise at all (nothing compressed?)"
+        ratios[k] = error / (noise / math.sqrt(N_STEPS))
+    return ratios
+
+
+def _assert_unbiased(model: nn.Module, x: Tensor, route: str, level: str) -> None:
+    ratios = _ratios(model, x, route, level)
+    biased = {k: round(r, 2) for k, r in ratios.items() if r > LIMIT}
+    assert not biased, f"mean of {N_STEPS} gradients off by more than {LIMIT}x noise: {biased}"
+
+
+def _with_outlier(layer: nn.Module, outlier: bool) -> nn.Module:
+    if outlier:
+        with torch.no_grad():
+            layer.weight[0] *= OUTLIER  # one output channel 200x the others
+    return layer
+
+
+# ---- models, one kind of saved tensor each ---------------------------------------------------
+
+WIDTH = 64
+
+
+def _tokens() -> Tensor:
+    return torch.randn(4, 32, WIDTH)
+
+
+class Between(nn.Module):
+    """A linear, ``middle`` (an activation, a normalization module), a linear."""
+
+    def __init__(self, middle: Callable[[Tensor], Tensor], outlier: bool) -> None:
+        super().__init__()
+        self.first = _with_outlier(nn.Linear(WIDTH, WIDTH), outlier)
+        self.middle = middle
+        self.second = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(self.middle(self.first(x)))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, outlier: bool) -> None:
+        super().__init__()
+        self.gate = _with_outlier(nn.Linear(WIDTH, 2 * WIDTH), outlier)
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class SqueezeExcitation(nn.Module):
+    """MobileNet/EfficientNet's block: conv, batch norm, SiLU, a sigmoid gate, conv."""
+
+    def __init__(self, outlier: bool) -> None:
+        super().__init__()
+        self.conv = _with_outlier(nn.Conv2d(8, 32, 3, padding=1), outlier)
+        self.norm = nn.BatchNorm2d(32)
+        self.reduce = nn.Conv2d(32, 8, 1)
+        self.expand = nn.Conv2d(8, 32, 1)
+        self.project = nn.Conv2d(32, 8, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.silu(self.norm(self.conv(x)))
+        gate = torch.sigmoid(self.expand(F.silu(self.reduce(F.adaptive_avg_pool2d(h, 1)))))
+        return self.project(gate * h)
+
+
+class Attention(nn.Module):
+    def __init__(self, outlier: bool, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = _with_outlier(nn.Linear(WIDTH, 3 * WIDTH), outlier)
+        self.out = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.out(y.transpose(1, 2).reshape(b, t, c))
+
+
+class Softmax(nn.Module):
+    def __init__(self, outlier: bool) -> None:
+        super().__init__()
+        self.first = _with_outlier(nn.Linear(WIDTH, WIDTH), outlier)
+        self.second = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.second(torch.softmax(self.first(x), dim=-1))
+
+
+class PythonRMSNorm(nn.Module):
+    """An RMS norm written as transformers writes it (recomputed in backward by convert)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width) + 0.1 * torch.randn(width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class SmallMapBatchNorm(nn.Module):
+    """Convolutions with batch norm on a 2x2 map: 16 values per channel at batch 4."""
+
+    def __init__(self, outlier: bool) -> None:
+        super().__init__()
+        self.conv = _with_outlier(nn.Conv2d(16, 64, 3, padding=1), outlier)
+        self.norm = nn.BatchNorm2d(64)
+        self.project = nn.Conv2d(64, 16, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.project(F.silu(self.norm(self.conv(x))))
+
+
+ACTIVATIONS: dict[str, Callable[[], Callable[[Tensor], Tensor]]] = {
+    "gelu": nn.GELU,
+    "silu": nn.SiLU,
+    "tanh": nn.Tanh,
+    "sigmoid": nn.Sigmoid,
+    "hardswish": nn.Hardswish,
+    "functional_gelu_tanh": lambda: lambda t: F.gelu(t, approximate="tanh"),
+}
+
+KINDS: dict[str, Callable[[bool], tuple[nn.Module, Tensor]]] = {
+    **{
+        name: (lambda outlier, make=make: (Between(make(), outlier), _tokens()))
+        for name, make in ACTIVATIONS.items()
+    },
+    "softmax": lambda outlier: (Softmax(outlier), _tokens()),
+    "swiglu": lambda outlier: (SwiGLU(outlier), _tokens()),
+    "squeeze_excitation": lambda outlier: (
+        SqueezeExcitation(outlier),
+        torch.randn(4, 8, 8, 8),
+    ),
+    "attention": lambda outlier: (Attention(outlier), _tokens()),
+    "layer_norm": lambda outlier: (Between(nn.LayerNorm(WIDTH), outlier), _tokens()),
+    "rms_norm": lambda outlier: (Between(nn.RMSNorm(WIDTH), outlier), _tokens()),
+    "python_rms_norm": lambda outlier: (Between(PythonRMSNorm(WIDTH), outlier), _tokens()),
+    "batch_norm_small_map": lambda outlier: (
+        SmallMapBatchNorm(outlier),
+        torch.randn(4, 16, 2, 2),
+    ),
+}
+
+ROUTES = [("convert", "L3"), ("convert", "L2"), ("hooks", "L1"), ("hooks", "L1.2")]
+
+
+_ATTENTION = (
+    "an outlier in q multiplies k's rounding error into the logits, and the softmax "
+    "recomputed from them is biased (q and k would need their outlier dims exact in both): "
+    "open in the unbiased-gradients issue"
+)
+OPEN = {
+    ("attention", True, "convert", "L3"): _ATTENTION,
+    ("attention", True, "convert", "L2"): _ATTENTION,
+    ("attention", True, "hooks", "L1.2"): _ATTENTION,
+    ("batch_norm_small_map", False, "hooks", "L1.2"): "the hooks route keeps a batch norm's "
+    "input at the level's 2 bits however few values a channel has (the layer route raises "
+    "them)",
+}
+OPEN[("batch_norm_small_map", True, "hooks", "L1.2")] = OPEN[
+    ("batch_norm_small_map", False, "hooks", "L1.2")
+]
+_RECOMPUTED = (
+    "by default a smooth activation keeps its input and backward evaluates f'(q(x)) and "
+    "rebuilds the next layer's input as f(q(x)): biased, and an outlier channel coarsens "
+    "the step enough to show it; actcore.config.keep_derivatives removes the bias "
+    "(test_kept_derivatives_are_unbiased) for more bytes and noise, so it is not yet "
+    "the default: open in the unbiased-gradients issue"
+)
+SMOOTH = [*ACTIVATIONS, "swiglu"]
+for _kind in SMOOTH:
+    for _level in ("L3", "L2"):
+        OPEN[(_kind, True, "convert", _level)] = _RECOMPUTED
+"""Cases still biased, with why: they run and must fail (strict xfail), so a fix shows."""
+
+
+@pytest.mark.parametrize("outlier", [False, True], ids=["plain", "outlier"])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("route,level", ROUTES, ids=[f"{r}-{lv}" for r, lv in ROUTES])
+def test_mean_of_compressed_gradients_converges(
+    kind: str,
+    outlier: bool,
+    route: str,
+    level: str,
+    one_thread: None,
+    request: pytest.FixtureRequest,
+) -> None:
+    reason = OPEN.get((kind, outlier, route, level))
+    if reason is not None:
+        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+    torch.manual_seed(0)
+    model, x = KINDS[kind](outlier)
+    _assert_unbiased(model, x, route, level)
+
+
+@pytest.mark.parametrize("outlier", [False, True], ids=["plain", "outlier"])
+@pytest.mark.parametrize("kind", SMOOTH)
+@pytest.mark.parametrize("level", ["L3", "L2"])
+def test_kept_derivatives_are_unbiased(
+    kind: str, outlier: bool, level: str, one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``config.keep_derivatives`` a smooth activation keeps ``f'(x)`` stochastically
+    rounded and the next layer its own output: backward is linear in both, so unbiased
+    even with the outlier channel."""
+    monkeypatch.setattr(actcore.config, "keep_derivatives", True)
+    torch.manual_seed(0)
+    model, x = KINDS[kind](outlier)
+    _assert_unbiased(model, x, "convert", level)
+
+
+def test_the_check_sees_a_biased_gradient(one_thread: None, small_tensors: None) -> None:
+    """The statistic fails a gradient that is biased: tanh's derivative evaluated at a rounded
+    input (what the hooks route computes when tanh saves its input, here forced by an
+    explicit ``x * (1 - tanh(x)^2)`` backward written as a custom function)."""
+
+    class RoundedTanh(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return torch.tanh(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return grad * (1 - torch.tanh(x).square())
+
+    torch.manual_seed(0)
+    model = Between(RoundedTanh.apply, outlier=True)
+    ratios = _ratios(model, _tokens(), "hooks", "L1.2")
+    assert ratios["first.weight"] > LIMIT
