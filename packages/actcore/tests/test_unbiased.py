@@ -232,15 +232,11 @@ KINDS: dict[str, Callable[[bool], tuple[nn.Module, Tensor]]] = {
 ROUTES = [("convert", "L3"), ("convert", "L2"), ("hooks", "L1"), ("hooks", "L1.2")]
 
 
-_ATTENTION = (
-    "an outlier in q multiplies k's rounding error into the logits, and the softmax "
-    "recomputed from them is biased (q and k would need their outlier dims exact in both): "
-    "open in the unbiased-gradients issue"
-)
 OPEN = {
-    ("attention", True, "convert", "L3"): _ATTENTION,
-    ("attention", True, "convert", "L2"): _ATTENTION,
-    ("attention", True, "hooks", "L1.2"): _ATTENTION,
+    ("attention", True, "hooks", "L1.2"): "an outlier in q multiplies k's rounding error "
+    "into the logits, and the softmax recomputed from them is biased: the hooks route packs "
+    "q and k apart and keeps each one's own largest dims exact, not the same ones in both "
+    "(convert's attention does): open in the unbiased-gradients issue",
     ("batch_norm_small_map", False, "hooks", "L1.2"): "the hooks route keeps a batch norm's "
     "input at the level's 2 bits however few values a channel has (the layer route raises "
     "them)",

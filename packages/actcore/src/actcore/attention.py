@@ -15,13 +15,15 @@ in backward, as with checkpointing the attention alone.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .compressors import IDENTITY
+from .compressors import IDENTITY, ChannelScaled, Compressor
+from .compressors.channel_scaled import joint_top
 from .forward_state import forward_state, plain_saves, replayed
 from .stash import OTHER, choose, stash, unstash
 
@@ -53,6 +55,20 @@ def _never(_: None) -> torch.Tensor:
     raise RuntimeError("actcore: the graph of a forward-only attention call is never run")
 
 
+def _same_exact_dims(
+    q: torch.Tensor, k: torch.Tensor, q_: Compressor, k_: Compressor
+) -> tuple[Compressor, Compressor]:
+    """q's and k's compressors keeping the same feature dims exact, those of largest
+    ``amax(q) * amax(k)``: an outlier dim of q multiplies k's rounding error in that dim
+    into every logit, and the softmax turns that noise into a bias."""
+    if not (isinstance(q_, ChannelScaled) and isinstance(k_, ChannelScaled)):
+        return q_, k_
+    if not (q_.exact and q_.exact == k_.exact and q.shape[-1] == k.shape[-1]):
+        return q_, k_
+    top = joint_top(q, k, -1, q_.exact)
+    return replace(q_, top=top), replace(k_, top=top)
+
+
 class AttentionFunction(torch.autograd.Function):
     """``F.scaled_dot_product_attention`` keeping compressed q, k, v (module docstring)."""
 
@@ -68,6 +84,7 @@ class AttentionFunction(torch.autograd.Function):
         ctx.mask_value = None if mask_tensor is not None else mask
         # (each head's features are the channels an outlier sits in)
         q_, k_, v_ = (choose(layer, OTHER, t, channel_dim=-1) for t in (q, k, v))
+        q_, k_ = _same_exact_dims(q, k, q_, k_)
         stash(ctx, layer, [(q, q_), (k, k_), (v, v_), (mask_tensor, IDENTITY)])
         return out
 

@@ -19,7 +19,7 @@ on the device, with a fixed count, never read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ __all__ = [
     "channel_dim",
     "channel_scales",
     "exact_channels",
+    "joint_top",
     "scaled",
 ]
 
@@ -64,6 +65,14 @@ def _exponents(amax: torch.Tensor, ratio: float) -> torch.Tensor:
     bound = torch.maximum(bound, amax.max() / _MAX_SCALE)  # mostly-zero channels
     scale = (amax / bound).nan_to_num_(nan=1.0, posinf=_MAX_SCALE)
     return scale.clamp_(1.0, _MAX_SCALE).log2_().ceil_().to(torch.int8)
+
+
+def joint_top(a: torch.Tensor, b: torch.Tensor, dim: int, count: int) -> torch.Tensor:
+    """The ``count`` channels along ``dim`` with the largest ``amax(a) * amax(b)``: those of a
+    product ``sum_c a_c b_c`` (attention's ``q k^T``) whose rounding moves it most, to keep
+    exact in both factors (an outlier in ``a`` multiplies ``b``'s rounding error)."""
+    score = _channel_amax(a, dim % a.dim()).flatten() * _channel_amax(b, dim % b.dim()).flatten()
+    return score.topk(count).indices
 
 
 def exact_channels(channels: int) -> int:
@@ -113,6 +122,9 @@ class ChannelScaled(Compressor):
     dim: int = -1
     ratio: float = OUTLIER_RATIO
     exact: int = 0
+    # the ``exact`` channels' indices when the caller chose them (attention keeps the same
+    # dims of q and k), else the tensor's own largest
+    top: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -127,7 +139,7 @@ class ChannelScaled(Compressor):
         amax = _channel_amax(x, dim)
         extra: tuple[torch.Tensor, ...] = ()
         if self.exact:
-            top = amax.flatten().topk(self.exact).indices
+            top = amax.flatten().topk(self.exact).indices if self.top is None else self.top
             extra = (x.index_select(dim, top), top)
             x = x.index_fill(dim, top, 0)
             amax = amax.index_fill(dim, top, 0)
@@ -145,4 +157,5 @@ class ChannelScaled(Compressor):
         return x
 
     def key(self) -> tuple:
-        return (self.name, self.dim, self.ratio, self.exact, *self.inner.key())
+        chosen = None if self.top is None else id(self.top)
+        return (self.name, self.dim, self.ratio, self.exact, chosen, *self.inner.key())

@@ -1,0 +1,88 @@
+"""ChannelScaled: outlier channels kept apart before quantization (power-of-two scales as
+int8 exponents, the largest channels exact), exact where it claims to be, unbiased."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actcore.compressors import ChannelScaled, Quantize
+from actcore.compressors.channel_scaled import channel_dim, exact_channels, joint_top, scaled
+
+
+def _tokens(outlier: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    x[:, 5] *= outlier
+    return x.to(dtype)
+
+
+def test_without_outliers_it_packs_exactly_what_its_inner_packs() -> None:
+    x = _tokens()
+    inner = Quantize(2, 256, per_sample=False, stochastic=False)
+    tensors, meta = ChannelScaled(inner).pack(x)
+    plain, _ = inner.pack(x)
+    exponents = tensors[meta[1]]
+    assert exponents.dtype == torch.int8 and exponents.numel() == 96
+    assert not exponents.any()  # every channel within 4x of the median: divided by 2**0
+    assert all(torch.equal(a, b) for a, b in zip(tensors[: meta[1]], plain, strict=True))
+
+
+def test_an_outlier_channel_is_divided_by_a_power_of_two_and_restored() -> None:
+    x = _tokens(outlier=200.0)
+    inner = Quantize(4, 256, per_sample=False, stochastic=False)
+    comp = ChannelScaled(inner)
+    tensors, meta = comp.pack(x)
+    exponents = tensors[meta[1]].flatten()
+    assert exponents[5] >= 5 and int((exponents != 0).sum()) == 1  # 200x / (4x median)
+    restored = comp.unpack(tensors, meta)
+    others = [c for c in range(96) if c != 5]
+    err_scaled = (restored[:, others] - x[:, others]).abs().max()
+    err_plain = (inner.unpack(*inner.pack(x))[:, others] - x[:, others]).abs().max()
+    assert err_scaled < err_plain / 10  # the outlier no longer sets its neighbours' step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_exact_channels_come_back_bitwise(dtype: torch.dtype) -> None:
+    x = _tokens(outlier=200.0, dtype=dtype)
+    comp = ChannelScaled(Quantize(2, 256, per_sample=False), exact=2)
+    restored = comp.unpack(*comp.pack(x))
+    assert restored.dtype == dtype
+    assert torch.equal(restored[:, 5], x[:, 5])  # the largest channel, kept as it is
+    given = ChannelScaled(Quantize(2, 256, per_sample=False), exact=2, top=torch.tensor([1, 7]))
+    restored = given.unpack(*given.pack(x))
+    assert torch.equal(restored[:, [1, 7]], x[:, [1, 7]])
+    assert given.key() != comp.key()  # packs differently: never shared with the other
+
+
+def test_rounding_stays_unbiased_through_the_scales() -> None:
+    """Mean of 400 stochastic roundings: within 4 standard errors of x everywhere, the
+    bound from each element's rounding variance (at most step^2 / 4)."""
+    x = _tokens(outlier=200.0)
+    comp = ChannelScaled(Quantize(2, 256, per_sample=False))
+    n = 400
+    total = torch.zeros_like(x)
+    for _ in range(n):
+        total += comp.unpack(*comp.pack(x))
+    tensors, meta = comp.pack(x)
+    scale = torch.exp2(tensors[meta[1]].float())  # per channel, broadcast over rows
+    step = (x / scale).abs().max() * 2 / 3 * scale  # a group's range over 3 levels, at most
+    assert ((total / n - x).abs() <= 4 * step / 2 / n**0.5).all()
+
+
+def test_joint_top_picks_the_dims_whose_product_moves_most() -> None:
+    q, k = torch.randn(2, 4, 32, 16), torch.randn(2, 4, 32, 16)
+    q[:, 0, :, 3] *= 200  # an outlier dim in q only: k's error there is multiplied by it
+    k[:, :, :, 9] *= 3
+    assert joint_top(q, k, -1, 1).tolist() == [3]
+    assert sorted(joint_top(q, k, -1, 2).tolist()) == [3, 9]
+
+
+def test_where_groups_mix_channels() -> None:
+    assert channel_dim(torch.zeros(8, 64), 256) == -1
+    assert channel_dim(torch.zeros(2, 8, 64), 256) == -1
+    assert channel_dim(torch.zeros(2, 16, 7, 7), 256) == 1  # 49 values per channel
+    assert channel_dim(torch.zeros(2, 16, 16, 16), 256) is None  # groups inside a channel
+    assert exact_channels(64) == 1 and exact_channels(257) == 2
+    inner = Quantize(2)
+    assert scaled(inner, torch.zeros(2, 16, 16, 16), 256) is inner
+    assert scaled(inner, torch.zeros(8, 64), 256, exact=True).exact == 1
