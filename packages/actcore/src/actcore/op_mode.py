@@ -7,6 +7,8 @@ so neither the hook nor a dispatch mode can tell which op saved a tensor. A
 
 * ``depth > 0`` inside an op whose backward compares or divides saved values
   (:mod:`actcore.exact_ops`): what it saves is kept exact;
+* ``batch_norm_input``: the storage of the input of the ``F.batch_norm`` call now running
+  (0 outside one), whose saved input gets more bits on small maps;
 * ``attention > 0`` inside ``F.scaled_dot_product_attention`` or
   ``F.multi_head_attention_forward``: the float tensors they create and save outside the
   autograd graph (sdpa's ``logsumexp``; not their inputs) are kept exact, as quantizing
@@ -33,6 +35,7 @@ from .exact_ops import ExactOps, _lookup
 
 __all__ = [
     "ATTENTION_FUNCTIONS",
+    "BATCH_NORM_FUNCTIONS",
     "DataMarks",
     "OpMode",
     "call_outside_modes",
@@ -43,10 +46,20 @@ __all__ = [
 ATTENTION_FUNCTIONS = frozenset({F.scaled_dot_product_attention, F.multi_head_attention_forward})
 """Calls inside which float tensors saved outside the autograd graph stay exact."""
 
+BATCH_NORM_FUNCTIONS = frozenset({F.batch_norm})
+"""Calls whose saved input gets the batch-norm bits floor (:func:`actcore.stash.batch_norm_bits`)."""
+
 
 def _is_attention(func: Any) -> bool:
     try:
         return func in ATTENTION_FUNCTIONS
+    except TypeError:  # an unhashable callable: none of these
+        return False
+
+
+def _is_batch_norm(func: Any) -> bool:
+    try:
+        return func in BATCH_NORM_FUNCTIONS
     except TypeError:  # an unhashable callable: none of these
         return False
 
@@ -144,6 +157,7 @@ class OpMode(ExactOps):
         self.attention = 0
         self.attention_inputs: frozenset[int] = frozenset()  # storages of the calls' tensors
         self.attention_numel = 0  # the most elements of one of those tensors
+        self.batch_norm_input = 0  # storage of the running F.batch_norm call's input
         self.router = router
         self.suspended = suspended
         self.exact = exact
@@ -176,7 +190,16 @@ class OpMode(ExactOps):
             finally:
                 self.attention -= 1
                 self.attention_inputs, self.attention_numel = outer
-        out = func(*args, **kwargs)
+        if _is_batch_norm(func):
+            outer_input = self.batch_norm_input
+            x = args[0] if args else kwargs.get("input")
+            self.batch_norm_input = _storage(x) if isinstance(x, torch.Tensor) else 0
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                self.batch_norm_input = outer_input
+        else:
+            out = func(*args, **kwargs)
         if torch.compiler.is_compiling():
             # Dynamo traces this mode: the per-tensor bookkeeping below keys tensors by
             # identity and storage, which a traced graph's intermediates do not have

@@ -265,6 +265,16 @@ class SavedTensorHooks:
                 stash.note_kept(t)  # a tensor derived from it may refer to it
         return h
 
+    def _batch_norm_input(self, t: Tensor) -> bool:
+        """Whether ``t`` is the input the running ``F.batch_norm`` call saves."""
+        mode = getattr(self._local, "mode", None)
+        return (
+            mode is not None
+            and mode.batch_norm_input != 0
+            and t.dim() >= 2
+            and storage_ptr(t) == mode.batch_norm_input
+        )
+
     def _keeps_exact(self, t: Tensor) -> bool:
         """What the op now saving needs exact (see :mod:`actcore.op_mode`), and, when
         ``tailored``, log-probabilities and the float constants a forward makes outside the
@@ -320,6 +330,8 @@ class SavedTensorHooks:
             fn = t.grad_fn
             if self.tailored and fn is not None and type(fn).__name__ in _PROBABILITY_NODES:
                 bits = max(bits, PROBABILITY_BITS)
+            if self._batch_norm_input(t):  # few values per channel: more bits
+                bits = max(bits, stash.batch_norm_bits(t))
         with torch.no_grad():
             return self._pack_compressed(t, key, bits)
 
