@@ -54,6 +54,22 @@ def test_exact_channels_come_back_bitwise(dtype: torch.dtype) -> None:
     assert given.key() != comp.key()  # packs differently: never shared with the other
 
 
+@pytest.mark.parametrize("exact", [0, 1])
+def test_a_scale_past_fp16_range_is_capped_not_infinite(exact: int) -> None:
+    """A channel 2**20 times the bound would need a divisor fp16 cannot hold (its largest
+    power of two is 2**15): the exponent is capped, the values stay finite and close."""
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 0.01
+    x[:, 5] = 60000.0
+    x[:, 9] = 30000.0
+    x = x.half()
+    comp = ChannelScaled(Quantize(8, 256, per_sample=False), exact=exact)
+    tensors, meta = comp.pack(x)
+    assert int(tensors[meta[1]].max()) == 15
+    restored = comp.unpack(tensors, meta)
+    assert torch.isfinite(restored).all()
+    assert (restored.float() - x.float()).abs().max() <= 60000.0 / 255 * 2
+
+
 def test_rounding_stays_unbiased_through_the_scales() -> None:
     """Mean of 400 stochastic roundings: within 4 standard errors of x everywhere, the
     bound from each element's rounding variance (at most step^2 / 4)."""

@@ -19,6 +19,7 @@ on the device, with a fixed count, never read.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,10 @@ def _exponents(amax: torch.Tensor, ratio: float) -> torch.Tensor:
     bound = torch.maximum(bound, amax.max() / _MAX_SCALE)  # mostly-zero channels
     scale = (amax / bound).nan_to_num_(nan=1.0, posinf=_MAX_SCALE)
     return scale.clamp_(1.0, _MAX_SCALE).log2_().ceil_().to(torch.int8)
+
+
+def _max_exponent(dtype: torch.dtype) -> int:
+    return int(math.log2(torch.finfo(dtype).max))
 
 
 def joint_top(a: torch.Tensor, b: torch.Tensor, dim: int, count: int) -> torch.Tensor:
@@ -143,8 +148,10 @@ class ChannelScaled(Compressor):
             extra = (x.index_select(dim, top), top)
             x = x.index_fill(dim, top, 0)
             amax = amax.index_fill(dim, top, 0)
-        exponents = _exponents(amax, self.ratio)
-        tensors, meta = self.inner.pack(x / torch.exp2(exponents.float()).to(x.dtype))
+        # at most the dtype's largest power of two (fp16: 2**15), so the scale is finite
+        exponents = _exponents(amax, self.ratio).clamp_max_(_max_exponent(x.dtype))
+        scale = torch.exp2(exponents.float()).to(x.dtype)
+        tensors, meta = self.inner.pack(x.div_(scale) if self.exact else x / scale)
         return (*tensors, exponents, *extra), (meta, len(tensors), dim)
 
     def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
