@@ -41,7 +41,7 @@ def test_an_outlier_channel_is_divided_by_a_power_of_two_and_restored() -> None:
     assert err_scaled < err_plain / 10  # the outlier no longer sets its neighbours' step
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_exact_channels_come_back_bitwise(dtype: torch.dtype) -> None:
     x = _tokens(outlier=200.0, dtype=dtype)
     comp = ChannelScaled(Quantize(2, 256, per_sample=False), exact=2)

@@ -69,7 +69,8 @@ def _exponents(amax: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 def _max_exponent(dtype: torch.dtype) -> int:
-    return int(math.log2(torch.finfo(dtype).max))
+    """The largest exponent a scale may have in ``dtype`` (fp16: 15), at most _MAX_SCALE's."""
+    return min(int(math.log2(torch.finfo(dtype).max)), int(math.log2(_MAX_SCALE)))
 
 
 def joint_top(a: torch.Tensor, b: torch.Tensor, dim: int, count: int) -> torch.Tensor:
