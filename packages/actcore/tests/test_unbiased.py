@@ -187,16 +187,19 @@ class PythonRMSNorm(nn.Module):
 
 
 class SmallMapBatchNorm(nn.Module):
-    """Convolutions with batch norm on a 2x2 map: 16 values per channel at batch 4."""
+    """Convolutions with batch norm on a 2x2 map: 16 values per channel at batch 4; a SiLU
+    after the norm unless ``silu`` is False."""
 
-    def __init__(self, outlier: bool) -> None:
+    def __init__(self, outlier: bool, silu: bool = True) -> None:
         super().__init__()
         self.conv = _with_outlier(nn.Conv2d(16, 64, 3, padding=1), outlier)
         self.norm = nn.BatchNorm2d(64)
         self.project = nn.Conv2d(64, 16, 1)
+        self.silu = silu
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.project(F.silu(self.norm(self.conv(x))))
+        h = self.norm(self.conv(x))
+        return self.project(F.silu(h) if self.silu else h)
 
 
 ACTIVATIONS: dict[str, Callable[[], Callable[[Tensor], Tensor]]] = {
@@ -293,26 +296,13 @@ def test_kept_derivatives_are_unbiased(
     _assert_unbiased(model, x, "convert", level)
 
 
-class _ConvNormConv(nn.Module):
-    """A batch norm on a 2x2 map between convolutions, no activation: 16 values per channel."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(16, 64, 3, padding=1)
-        self.norm = nn.BatchNorm2d(64)
-        self.project = nn.Conv2d(64, 16, 1)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.project(self.norm(self.conv(x)))
-
-
 def test_hooks_route_gives_a_batch_norm_on_a_small_map_its_bits(
     one_thread: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The hooks route raises a batch norm's saved input to ``batch_norm_bits`` (5 here):
     unbiased; at the level's 2 bits the conv before it is visibly biased."""
     torch.manual_seed(0)
-    model, x = _ConvNormConv(), torch.randn(4, 16, 2, 2)
+    model, x = SmallMapBatchNorm(outlier=False, silu=False), torch.randn(4, 16, 2, 2)
     _assert_unbiased(model, x, "hooks", "L1.2")
     monkeypatch.setattr(actcore.stash, "batch_norm_bits", lambda t: 1)
     assert _ratios(model, x, "hooks", "L1.2")["conv.weight"] > LIMIT

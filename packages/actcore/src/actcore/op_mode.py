@@ -50,16 +50,9 @@ BATCH_NORM_FUNCTIONS = frozenset({F.batch_norm})
 """Calls whose saved input gets the batch-norm bits floor (:func:`actcore.stash.batch_norm_bits`)."""
 
 
-def _is_attention(func: Any) -> bool:
+def _is_one_of(func: Any, functions: frozenset) -> bool:
     try:
-        return func in ATTENTION_FUNCTIONS
-    except TypeError:  # an unhashable callable: none of these
-        return False
-
-
-def _is_batch_norm(func: Any) -> bool:
-    try:
-        return func in BATCH_NORM_FUNCTIONS
+        return func in functions
     except TypeError:  # an unhashable callable: none of these
         return False
 
@@ -179,7 +172,7 @@ class OpMode(ExactOps):
             out = self.router(func, args, kwargs)
             if out is not NotImplemented:
                 return out
-        if _is_attention(func):
+        if _is_one_of(func, ATTENTION_FUNCTIONS):
             outer = self.attention_inputs, self.attention_numel
             storages, numel = _inputs(args, kwargs)
             self.attention_inputs = outer[0] | storages
@@ -190,7 +183,7 @@ class OpMode(ExactOps):
             finally:
                 self.attention -= 1
                 self.attention_inputs, self.attention_numel = outer
-        if _is_batch_norm(func):
+        if _is_one_of(func, BATCH_NORM_FUNCTIONS):
             outer_input = self.batch_norm_input
             x = args[0] if args else kwargs.get("input")
             self.batch_norm_input = _storage(x) if isinstance(x, torch.Tensor) else 0

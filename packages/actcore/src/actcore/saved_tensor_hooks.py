@@ -386,14 +386,14 @@ class SavedTensorHooks:
                 comp = SeededQuantize(bits, self.group_size, seed=seeds.get(key, 0))
             else:
                 comp = self._compressor(bits, self.policy.swap)
-            # outlier channels apart (some exact: the op's backward may be nonlinear in t)
-            comp = scaled(comp, data, self.group_size, exact=True)
             known = stash.mask_of(t) if plain else None
             fn = t.grad_fn
             if known is not None:  # a ReLU's own 1-bit mask: keep the nonzeros only
                 comp = ZeroValue(known, Quantize(bits, self.group_size, per_sample=False))
-            elif fn is not None and type(fn).__name__ in _RELU_NODES:
-                mask = ops.pack_mask(data != 0)
+            else:  # outlier channels apart (some exact: backward may be nonlinear in t)
+                comp = scaled(comp, data, self.group_size, exact=True)
+                if fn is not None and type(fn).__name__ in _RELU_NODES:
+                    mask = ops.pack_mask(data != 0)
         with rng.using(self.stream):
             tensors, meta = comp.pack(data)
         stored = Stored(comp, tuple(tensors), meta, mask)

@@ -31,7 +31,6 @@ __all__ = [
     "OUTLIER_RATIO",
     "ChannelScaled",
     "channel_dim",
-    "channel_scales",
     "exact_channels",
     "joint_top",
     "scaled",
@@ -47,17 +46,6 @@ _MAX_SCALE = 2.0**20  # a channel is never divided by more (nor by a non-finite 
 def _channel_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
     others = [d for d in range(x.dim()) if d != dim]
     return x.detach().abs().amax(dim=others, keepdim=True).float()
-
-
-def channel_scales(x: torch.Tensor, dim: int, ratio: float = OUTLIER_RATIO) -> torch.Tensor:
-    """Per-channel divisors (fp32 powers of two, shaped to broadcast against ``x``): 1 for
-    channels within ``ratio`` times the median channel's largest magnitude, else the excess
-    over it rounded up to a power of two."""
-    return _scales(_channel_amax(x, dim % x.dim()), ratio)
-
-
-def _scales(amax: torch.Tensor, ratio: float) -> torch.Tensor:
-    return torch.exp2(_exponents(amax, ratio).float())
 
 
 def _exponents(amax: torch.Tensor, ratio: float) -> torch.Tensor:
