@@ -1,6 +1,8 @@
-"""Bias of compressed gradients on a torchvision classifier: the mean of n of them.
+"""Bias of compressed gradients on a torchvision classifier or a tiny Llama: the mean of n.
 
 Usage: ``python benchmarks/gradient_bias.py efficientnet_b0 --level L3 --steps 64``
+(``llama``: a 2-layer Llama, hidden 128, 128 random tokens, converted by ``act_hf.convert``
+with the model's sdpa attention kept; needs act-hf)
 
 Batch 4, 64x64 random images, random labels, dropout and stochastic depth off, batch-norm
 momentum 0, so every step sees the same exact gradient. Prints the relative error of the
@@ -26,12 +28,38 @@ import actcore
 
 def _flat_grad(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     model.zero_grad()
-    F.cross_entropy(model(x), y).backward()
+    if y.dim() == 2:  # a language model's labels
+        model(input_ids=x, labels=y).loss.backward()
+    else:
+        F.cross_entropy(model(x), y).backward()
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def _llama(level: str) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import act_hf
+
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        attention_dropout=0.0,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).train()
+    x = torch.randint(0, 256, (4, 128))
+    return model, act_hf.convert(copy.deepcopy(model), level), x, x.clone()
 
 
 def measure(name: str, level: str, steps: int) -> dict:
     torch.manual_seed(0)
+    if name == "llama":
+        model, converted, x, y = _llama(level)
+        return _errors(name, level, steps, model, converted, x, y)
     kwargs = {"image_size": 64} if name.startswith("vit") else {}
     model = getattr(torchvision.models, name)(num_classes=10, **kwargs).train()
     for module in model.modules():
@@ -40,8 +68,20 @@ def measure(name: str, level: str, steps: int) -> dict:
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             module.momentum = 0.0
     x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
-    exact = _flat_grad(copy.deepcopy(model), x, y)
     converted = actcore.convert(copy.deepcopy(model), level=level)
+    return _errors(name, level, steps, model, converted, x, y)
+
+
+def _errors(
+    name: str,
+    level: str,
+    steps: int,
+    model: nn.Module,
+    converted: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> dict:
+    exact = _flat_grad(copy.deepcopy(model), x, y)
     total, square, errors = torch.zeros_like(exact), 0.0, {}
     for n in range(1, steps + 1):
         g = _flat_grad(converted, x, y)

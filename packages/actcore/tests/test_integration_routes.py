@@ -199,7 +199,8 @@ def test_mlp_bytes_with_quantized_linears_both_routes(tokens: int) -> None:
     n_in, n_mid = tokens * HIDDEN, tokens * FFN
     gelu_3bit = n_mid * 3 // 8
     q_in, q_mid = _quantized_bytes(n_in, 4), _quantized_bytes(n_mid, 4)
-    # linear inputs: outlier channels scaled apart; on the hooks route also kept exact
+    # linear inputs: outlier channels scaled apart; on the hooks route (and a recomputed
+    # activation's input, which backward uses nonlinearly) also kept exact
     lin_in, lin_mid = (
         q_in + _apart_bytes(HIDDEN, tokens, False),
         q_mid + _apart_bytes(FFN, tokens, False),
@@ -221,10 +222,10 @@ def test_mlp_bytes_with_quantized_linears_both_routes(tokens: int) -> None:
             model, x, actcore.Controller(model, "L1", fewbit_bits=fb)
         )
     assert got == {
-        # convert keeps a plain GELU's input at 4 bits and the second linear refers to it
-        # (its input is the GELU's output, derived from that); the Controller keeps both;
-        # with layers_only the GELU's input stays in fp32
-        "convert L1 fewbit=None": lin_in + q_mid,
+        # convert keeps a plain GELU's input at 4 bits, its largest channels exact, and the
+        # second linear refers to it (its input is the GELU's output, derived from that);
+        # the Controller keeps both; with layers_only the GELU's input stays in fp32
+        "convert L1 fewbit=None": lin_in + hook_mid,
         "convert L1 layers only fewbit=None": lin_in + n_mid * 4 + lin_mid,
         "Controller L1 fewbit=None": hook_in + hook_mid + hook_mid,
         "convert L1 fewbit=3": lin_in + gelu_3bit + lin_mid,

@@ -180,8 +180,9 @@ def test_excluded_module_keeps_what_it_saves() -> None:
 
 def test_tensor_a_q_layer_packed_is_not_stored_twice() -> None:
     """``h`` is saved by tanh (its output), by the QLinear ``b`` and by a product: it is
-    packed once at 4 bits and shared, next to the 4-bit copy of ``x`` that ``a`` keeps (with
-    one int8 scale exponent per channel, outlier channels apart)."""
+    packed once at 4 bits and shared, next to the 4-bit copy of ``x`` that ``a`` keeps (each
+    with one int8 scale exponent per channel, outlier channels apart; tanh's input, which
+    backward uses nonlinearly, also keeps its largest channel exact with its int64 index)."""
 
     class Thrice(nn.Module):
         def __init__(self) -> None:
@@ -199,7 +200,8 @@ def test_tensor_a_q_layer_packed_is_not_stored_twice() -> None:
         out = model(x)
     one = actcore.ops.quantize(x.detach(), 4).nbytes
     exponents = 256  # int8 per channel (ChannelScaled)
-    assert rep.retained_bytes == 2 * one + exponents
+    exact = 64 * 4 + 8  # tanh's input: one fp32 channel of 64 rows and its index
+    assert rep.retained_bytes == 2 * one + 2 * exponents + exact
     out.sum().backward()
     layers_only = actcore.convert(Thrice(), "L2", fewbit_bits=None, layers_only=True)
     with memory.track(layers_only) as rep:

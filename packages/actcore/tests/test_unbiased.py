@@ -248,17 +248,7 @@ OPEN = {
 OPEN[("batch_norm_small_map", True, "hooks", "L1.2")] = OPEN[
     ("batch_norm_small_map", False, "hooks", "L1.2")
 ]
-_RECOMPUTED = (
-    "by default a smooth activation keeps its input and backward evaluates f'(q(x)) and "
-    "rebuilds the next layer's input as f(q(x)): biased, and an outlier channel coarsens "
-    "the step enough to show it; actcore.config.keep_derivatives removes the bias "
-    "(test_kept_derivatives_are_unbiased) for more bytes and noise, so it is not yet "
-    "the default: open in the unbiased-gradients issue"
-)
 SMOOTH = [*ACTIVATIONS, "swiglu"]
-for _kind in SMOOTH:
-    for _level in ("L3", "L2"):
-        OPEN[(_kind, True, "convert", _level)] = _RECOMPUTED
 """Cases still biased, with why: they run and must fail (strict xfail), so a fix shows."""
 
 
@@ -328,3 +318,44 @@ def test_the_check_sees_a_biased_gradient(one_thread: None, small_tensors: None)
     model = Between(RoundedTanh.apply, outlier=True)
     ratios = _ratios(model, _tokens(), "hooks", "L1.2")
     assert ratios["first.weight"] > LIMIT
+
+
+DEFAULTS = [("convert", "L3"), ("convert", "L2"), ("hooks", "L1"), ("hooks", "L2")]
+
+
+@pytest.mark.parametrize("kind", ["gelu", "silu", "tanh", "sigmoid"])
+@pytest.mark.parametrize("route,level", DEFAULTS, ids=[f"{r}-{lv}" for r, lv in DEFAULTS])
+def test_linear_after_an_outlier_activation_is_within_five_percent(
+    kind: str, route: str, level: str, one_thread: None
+) -> None:
+    """A linear after a smooth activation whose input has one channel 200x the others: the
+    mean of 60 compressed weight gradients of that linear is within 5% of the true one
+    (rebuilding its input as ``f(q(x))`` from a group whose step the outlier set was 13%
+    off for GELU and 83% for tanh). At the routes' default levels and the convert route's
+    L2: at 2 bits for everything (hooks L1.2) one step's noise alone is about 65%, 8.5%
+    for the mean of 60 (the test above shows it unbiased there)."""
+    torch.manual_seed(0)
+    model, x = Between(ACTIVATIONS[kind](), outlier=True), _tokens()
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        weights = torch.randn_like(reference(x))
+    _loss(reference(x), weights).backward()
+    true = reference.second.weight.grad
+    if route == "convert":
+        compressed, controller = actcore.convert(copy.deepcopy(model), level=level), None
+    else:
+        compressed = copy.deepcopy(model)
+        controller = actcore.Controller(compressed, level=level)
+        controller.install_hook()
+    total = torch.zeros_like(true)
+    try:
+        for _ in range(60):
+            compressed.zero_grad()
+            _loss(compressed(x), weights).backward()
+            assert not torch.equal(compressed.second.weight.grad, true)  # compressed at all
+            total += compressed.second.weight.grad
+    finally:
+        if controller is not None:
+            controller.uninstall_hook()
+    error = float((total / 60 - true).norm() / true.norm())
+    assert error <= 0.05, f"mean of 60 weight gradients {error:.1%} off the true one"

@@ -169,7 +169,7 @@ class Config:
     min_numel: int = 1024
     # smooth activations keep their derivative, stochastically rounded (an unbiased input
     # gradient; the next layer keeps its own copy of the output), instead of their input
-    # recomputed in backward (fewer bytes and less noise, but biased: see README)
+    # recomputed in backward (fewer bytes and less noise, a small bias: actcore.layers.recompute)
     keep_derivatives: bool = False
     extra: dict = field(default_factory=dict)
 

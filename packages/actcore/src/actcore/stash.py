@@ -25,6 +25,7 @@ __all__ = [
     "ACTIVATION",
     "BATCH_NORM_BIAS",
     "CONV",
+    "DERIVATIVE",
     "EXPANSION",
     "NARROW_BITS",
     "NORM",
@@ -59,11 +60,14 @@ CONV = "conv"  # inputs of conv / linear layers
 NORM = "norm"  # inputs of normalization layers
 ROW_NORM = "row_norm"  # inputs of layer / group / RMS norms, F.normalize's unit vectors
 ACTIVATION = "activation"  # inputs of smooth activations (their outputs derive from them)
+DERIVATIVE = "derivative"  # a smooth activation's derivative f'(x) (config.keep_derivatives)
 OTHER = "other"  # anything else the forward saves (the saved-tensor hooks' tensors)
 NORMALIZED = ROW_NORM  # (the unit vectors of F.normalize are kept as row-norm inputs)
-_SCALED_ROLES = frozenset({CONV, ROW_NORM, OTHER})
+_SCALED_ROLES = frozenset({CONV, ROW_NORM, ACTIVATION, OTHER})
 """Roles whose tensors may carry outlier channels (a batch norm's normalized input has none
-by construction; an activation's derivative is bounded)."""
+by construction; an activation's derivative is bounded). All but CONV are used nonlinearly
+in backward (an activation's input is rebuilt into ``f(x)`` and ``f'(x)``), so they keep
+their largest channels exact too."""
 
 
 EXPANSION = 8
@@ -109,7 +113,7 @@ def role_bits(spec: LevelSpec, role: str) -> int | None:
         return spec.norm_bits
     if role == ROW_NORM:
         return spec.row_norm_bits
-    if role == ACTIVATION:
+    if role in (ACTIVATION, DERIVATIVE):
         return spec.activation_bits
     if role == OTHER:
         return spec.other_bits

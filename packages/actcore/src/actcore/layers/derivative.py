@@ -18,7 +18,7 @@ elementwise backward), so any activation works, and the output is ``f(x)`` bitwi
 
 Used where ``actcore.config.keep_derivatives`` is set (routed functionals and registered
 activation modules); by default activations are recomputed (:mod:`.recompute`), which keeps
-fewer bytes and one step's gradient less noisy, but biased.
+fewer bytes and one step's gradient less noisy, with a small bias (measured there).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch.autograd.function import once_differentiable
 
 from ..forward_state import plain_saves
 from ..op_mode import outside_function_modes
-from ..stash import ACTIVATION, stash, unstash
+from ..stash import DERIVATIVE, stash, unstash
 
 __all__ = ["DerivativeFunction", "keep_derivative"]
 
@@ -46,7 +46,7 @@ class DerivativeFunction(torch.autograd.Function):
             leaf = x.detach().requires_grad_()
             out = forward(leaf)
             (derivative,) = torch.autograd.grad(out, leaf, torch.ones_like(out))
-        stash(ctx, layer, [(derivative, ACTIVATION)])
+        stash(ctx, layer, [(derivative, DERIVATIVE)])
         return out.detach()
 
     @staticmethod

@@ -9,8 +9,14 @@ Two kinds go this way:
   square per row, compressed at the level's row-norm bits, next to that root mean square exact;
 * smooth activations (``F.gelu``, ``F.silu``, ``torch.tanh``... and registered activation
   modules such as transformers' ``NewGELUActivation``): their input is kept at the level's
-  activation bits (with ``actcore.config.keep_derivatives``, their derivative instead:
-  :mod:`.derivative`).
+  activation bits, its largest channels exact and outlier channels scaled apart
+  (:class:`~actcore.compressors.ChannelScaled`), with ``actcore.config.keep_derivatives``
+  their derivative instead (:mod:`.derivative`). Rebuilding ``f(q(x))`` and ``f'(q(x))`` is
+  biased in principle (``E[f(q(x))] != f(x)`` for a curved ``f``); with outliers kept apart
+  that bias is small: on a linear-GELU-linear block at 2 bits the mean of 1024 gradients
+  sits about 1% of the gradient from the true one (6% of one step's noise), where keeping
+  the derivative is unbiased but its next linear's own 2-bit copy of the output carries
+  4x the noise.
 
 The forward is the module's (or functional's) own, once, so the output is bitwise the
 same. Backward rebuilds the input and differentiates that same forward again: whatever
