@@ -15,6 +15,7 @@ from torch import nn
 
 import act_hf
 from actcore import memory
+from actcore.config import level_spec
 
 pytestmark = pytest.mark.usefixtures("offline_and_seeded")
 
@@ -54,7 +55,7 @@ def test_attention_function_matches_eager_with_mask_grad(p):
     stream), same gradients for q, k, v and a learned additive mask, at L0."""
     module = nn.Module()
     module.train()
-    module.act_attention_level = "L0"
+    module.act_attention_spec = level_spec("L0")
     shape = (2, 3, 10, 8)
     base = [torch.randn(shape) for _ in range(3)]
     bias = torch.randn(1, 3, 10, 10)
@@ -77,7 +78,7 @@ def test_attention_keeps_less():
     q, k, v = (torch.randn(4, 4, 64, 32, requires_grad=True) for _ in range(3))
     held = {}
     for level in ("L0", "L3"):
-        module.act_attention_level = level
+        module.act_attention_spec = level_spec(level)
         with memory.track() as report:
             out, _ = act_hf.act_eager_attention_forward(module, q, k, v, None, dropout=0.1)
             memory.note_outputs(out)

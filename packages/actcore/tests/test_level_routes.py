@@ -4,6 +4,7 @@ mean different things on the two."""
 
 from __future__ import annotations
 
+import importlib
 import re
 
 import pytest
@@ -63,3 +64,66 @@ def test_convert_policy_options_are_checked_per_kind() -> None:
         actcore.convert(nn.Sequential(nn.Linear(8, 8)), "L2", policy="fixed", error_bound=0.1)
     with pytest.raises(ValueError, match="unknown policy 'greedy'"):
         actcore.convert(nn.Sequential(nn.Linear(8, 8)), "L2", policy="greedy")
+
+
+class _Block(nn.Module):
+    """Conv, batch norm, ReLU, a functional GELU, layer norm, linear: every layer kind and a
+    routed functional, so each place that reads a level runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8)
+        self.row_norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.conv(x))).flatten(2)
+        return self.head(self.row_norm(nn.functional.gelu(h))).mean(1)
+
+
+@pytest.mark.parametrize("route", ["convert", "hooks"])
+def test_the_level_is_resolved_once_not_per_pack(route: str, monkeypatch) -> None:
+    """A level name is looked up where it enters (convert, Controller, the config): the
+    layers keep the resolved spec, so training steps never look a name up again."""
+    torch.manual_seed(0)
+    model, x = _Block(), torch.randn(4, 3, 8, 8)
+    if route == "convert":
+        actcore.convert(model, "L3")
+        assert all(m.act_spec is LEVELS["L3"] for m in model.modules() if hasattr(m, "act_spec"))
+    else:
+        controller = actcore.Controller(model, level="L2")
+        controller.install_hook()
+    monkeypatch.setattr(actcore.config, "level", actcore.config.level)  # (restored after)
+    lookups: list[object] = []
+    resolver = importlib.import_module("actcore.config")  # (actcore.config: the settings)
+    real = resolver.lookup_level
+
+    def counted(*args: object) -> object:
+        lookups.append(args[1])
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(resolver, "lookup_level", counted)
+    monkeypatch.setattr(policies.levels, "lookup_level", counted)
+    try:
+        for _ in range(3):
+            model(x).sum().backward()
+    finally:
+        if route == "hooks":
+            controller.uninstall_hook()
+    assert lookups == []
+    actcore.set_optimization_level("L2")  # an entry point: looks the name up, once
+    assert lookups == ["L2"] and actcore.config.spec is LEVELS["L2"]
+
+
+def test_layers_keep_the_spec_and_their_level_name_resolves_on_assignment() -> None:
+    layer = actcore.convert(nn.Sequential(nn.Linear(4, 4)), "L2")[0]
+    assert layer.act_spec is LEVELS["L2"] and layer.act_level == "L2"
+    layer.act_level = "L1"
+    assert layer.act_spec is LEVELS["L1"]
+    with pytest.raises(ValueError, match=r"unknown optimization level 'L9'; valid levels"):
+        layer.act_level = "L9"
+    before = actcore.config.spec
+    with pytest.raises(ValueError, match=r"unknown optimization level 'L1.2'"):
+        actcore.config.level = "L1.2"  # the config resolves its name on assignment too
+    assert actcore.config.spec is before and actcore.config.level == before.name

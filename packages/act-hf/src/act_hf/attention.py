@@ -29,9 +29,9 @@ from torch import nn
 
 from actcore import ops
 from actcore.compressors import IDENTITY, Compressor, Quantize, Swap
-from actcore.config import LevelSpec, config, level_spec
+from actcore.config import LevelSpec, config
 from actcore.layers.functions import dropout_backward, dropout_with_mask
-from actcore.stash import CONV, choose, needs_saving, stash, unstash
+from actcore.stash import CONV, choose, layer_spec, needs_saving, stash, unstash
 
 log = logging.getLogger("act_hf")
 
@@ -132,7 +132,7 @@ class AttentionFunction(torch.autograd.Function):
         ctx.meta = (scores.dtype, probs.dtype, out.dtype, q.dtype, k.dtype, v.dtype, upcast, p)
         ctx.mask_shape = None if mask is None else (mask.shape, mask.dtype)
         ctx.scaling = scaling
-        spec = level_spec(holder.act_level)
+        spec = layer_spec(holder)
         packed_mask = None if drop_mask is None else ops.pack_mask(drop_mask)
         ctx.drop_shape = probs.shape
         stash(
@@ -221,7 +221,7 @@ def act_eager_attention_forward(
     """An ``AttentionInterface`` function: eager attention, saved tensors compressed.
 
     Takes what transformers passes to ``eager_attention_forward``; the level is the
-    module's ``act_attention_level`` (set by :func:`act_hf.convert`), else actcore's
+    module's ``act_attention_spec`` (set by :func:`act_hf.convert`), else actcore's
     process-wide level. Calls with a feature it does not compute (see
     ``_UNSUPPORTED_KWARGS``) run the model's own eager function, with a warning once.
     """
@@ -252,8 +252,8 @@ def act_eager_attention_forward(
     p = dropout if module.training else 0.0
     upcast, to_value = _variant(module)
     if needs_saving(query, key, value, attention_mask):
-        level = getattr(module, "act_attention_level", None) or config.level
-        holder = types.SimpleNamespace(act_level=level, act_scheme=None)
+        spec = getattr(module, "act_attention_spec", None) or config.spec
+        holder = types.SimpleNamespace(act_spec=spec, act_scheme=None)
         out, weights = AttentionFunction.apply(
             query, key, value, attention_mask, scaling, p, upcast, to_value, holder
         )

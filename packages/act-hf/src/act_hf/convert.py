@@ -95,7 +95,7 @@ def _check_attention(attention: str | bool) -> str:
 
 def convert(
     model: nn.Module,
-    level: str = "L3",
+    level: str | LevelSpec = "L3",
     *,
     attention: str | bool = "keep",
     fewbit_bits: int | None = None,
@@ -126,7 +126,7 @@ def convert(
     if fewbit_bits is not None:
         fewbit_bits = check_bits(fewbit_bits)
     bits = fewbit_bits if fewbit_bits is not None else default_fewbit_bits(spec)
-    actcore.convert(model, spec.name, exclude=exclude, fewbit_bits=bits)
+    actcore.convert(model, spec, exclude=exclude, fewbit_bits=bits)
     core = model.act_report
     report = HFConversionReport(
         spec.name, dict(core.converted), dict(core.left), core.scope, fewbit_bits=bits
@@ -134,7 +134,7 @@ def convert(
     if attention == ATTENTION_NAME:
         for module in model.modules():
             if hasattr(module, "config") and not isinstance(module, QLayer):
-                module.act_attention_level = spec.name
+                module.act_attention_spec = spec
         _set_attention(model, report)
     else:
         report.attention = getattr(getattr(model, "config", None), "_attn_implementation", None)

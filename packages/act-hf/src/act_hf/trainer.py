@@ -6,6 +6,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from actcore import LevelSpec
+from actcore.config import level_spec
+
 from .convert import convert
 
 __all__ = ["ACTCallback"]
@@ -19,14 +22,14 @@ class ACTCallback(TrainerCallback):
     ``act_hf.convert(model, ...)`` before building the Trainer.
     """
 
-    def __init__(self, level: str = "L3", **convert_kwargs: Any) -> None:
-        self.level = level
+    def __init__(self, level: str | LevelSpec = "L3", **convert_kwargs: Any) -> None:
+        self.spec = level_spec(level)  # ValueError now if unknown
         self.convert_kwargs = convert_kwargs
         self.report = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise RuntimeError("ACTCallback: the Trainer passed no model to on_train_begin")
-        convert(model, self.level, **self.convert_kwargs)
+        convert(model, self.spec, **self.convert_kwargs)
         self.report = model.act_report
         return control

@@ -48,7 +48,7 @@ class ACTConvertHook(Hook):
         exclude: Sequence[Any] = (),
         log_layers: bool = False,
     ) -> None:
-        self.level = None if level is None else level_spec(level).name  # ValueError if unknown
+        self.spec = None if level is None else level_spec(level)  # ValueError if unknown
         if isinstance(exclude, str):
             exclude = [exclude]
         self.exclude = tuple(exclude)
@@ -57,7 +57,7 @@ class ACTConvertHook(Hook):
 
     def before_run(self, runner: Any) -> None:
         model = runner.model.module if is_model_wrapper(runner.model) else runner.model
-        actcore.convert(model, level=self.level, exclude=self.exclude)
+        actcore.convert(model, level=self.spec, exclude=self.exclude)
         self.report = model.act_report
         by_type: dict[str, int] = {}
         for cls_name in self.report.converted.values():

@@ -11,7 +11,7 @@ from torch import nn
 from torch_geometric.nn import MessagePassing
 
 import actcore
-from actcore.config import level_spec
+from actcore.config import LevelSpec, level_spec
 from actcore.walker import Exclude
 
 from .convs import CONVERTED, QMessagePassing, unsupported_reason
@@ -61,7 +61,7 @@ def _check_projection(value: float | None) -> float | None:
 
 def convert(
     gnn: nn.Module,
-    level: str = "L3",
+    level: str | LevelSpec = "L3",
     *,
     random_projection: float | None = None,
     attention_bits: int | None = None,
@@ -120,12 +120,12 @@ def convert(
                 report.hooks[name] = f"{type(module).__name__} ({reason})"
                 return None
             module.__class__ = target
-        module.act_level = spec.name
+        module.act_spec = spec
         module.act_projection = projection
         module.act_attention_bits = attention_bits
         return target.__name__
 
-    actcore.convert(gnn, spec.name, exclude=exclude, converters=[convert_message_passing])
+    actcore.convert(gnn, spec, exclude=exclude, converters=[convert_message_passing])
     core = gnn.act_report
     report.converted, report.left, report.scope = core.converted, core.left, core.scope
     gnn.act_report = report

@@ -26,6 +26,7 @@ from torch_geometric.nn.conv.gcn_conv import gcn_norm
 from torch_geometric.typing import SparseTensor
 from torch_geometric.utils import add_self_loops, remove_self_loops
 
+from actcore.layers import ConvertedLayer
 from actcore.stash import needs_saving
 
 from .functions import GATAttention, LinearAggregation, linear
@@ -79,10 +80,9 @@ def _unit_graph(x: Tensor, edge_index: Any) -> tuple[Graph, Any]:
     return graph, graph.edge_index
 
 
-class QMessagePassing:
+class QMessagePassing(ConvertedLayer):
     """Mixin of the converted convs: level, random projection and attention bits."""
 
-    act_level: str | None = None
     act_projection: float | None = None  # kept fraction of the linear input's features
     act_attention_bits: int | None = None  # GAT's attention coefficients (None: level bits)
 

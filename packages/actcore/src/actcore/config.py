@@ -160,7 +160,11 @@ def lookup_level(
 
 @dataclass
 class Config:
-    """Process-wide settings (ActNN's ``actnn.config``)."""
+    """Process-wide settings (ActNN's ``actnn.config``).
+
+    ``level`` is the name of the level of layers converted without one; assigning it
+    resolves the name once (ValueError if unknown) into ``spec``, which the hot path reads.
+    """
 
     level: str = "L3"
     group_size: int = 256
@@ -173,18 +177,26 @@ class Config:
     keep_derivatives: bool = False
     extra: dict = field(default_factory=dict)
 
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "level":
+            spec = level_spec(value)  # type: ignore[arg-type]
+            object.__setattr__(self, "_spec", spec)
+            value = spec.name
+        object.__setattr__(self, name, value)
+
     @property
     def spec(self) -> LevelSpec:
-        return level_spec(self.level)
+        """The resolved :class:`LevelSpec` of ``level``."""
+        return self._spec  # type: ignore[attr-defined]
 
 
 config = Config()
 
 
-def set_optimization_level(level: str) -> None:
+def set_optimization_level(level: str | LevelSpec) -> None:
     """Set the level used by Q-layers that were not given one (ValueError if unknown)."""
-    spec = level_spec(level)
-    config.level = spec.name
+    config.level = level  # resolved once (ValueError if unknown)
+    spec = config.spec
     if spec.expandable_segments:
         from .allocator import enable_expandable_segments
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from .config import LevelSpec, config, level_spec
+from .config import LEVELS, LevelSpec, config, level_spec
 from .fewbit.convert import (
     SMOOTH_LEFT,
     fewbit_target,
@@ -80,7 +80,7 @@ def default_fewbit_bits(spec: LevelSpec) -> int | None:
 
 def convert(
     model: nn.Module,
-    level: str | None = None,
+    level: str | LevelSpec | None = None,
     *,
     exclude: Iterable[Exclude] = (),
     inplace: bool = True,
@@ -133,7 +133,7 @@ def convert(
     :func:`actcore.resume.state_dict` gathers it with the bit plans for a bit-exact resume.
     """
     _check_model(model)
-    spec = level_spec(level if level is not None else config.level)
+    spec = config.spec if level is None else level_spec(level)
     scheme = make_scheme(spec, policy, policy_options)
     if fewbit_bits is _DEFAULT:
         fewbit_bits = default_fewbit_bits(spec)
@@ -151,7 +151,7 @@ def convert(
 
     def on_excluded(name: str, module: nn.Module) -> None:
         if isinstance(module, QLayer):  # converted before: keeps its tensors as torch does
-            module.act_level = "L0"
+            module.act_spec = LEVELS["L0"]
 
     done = walk(
         model,
@@ -186,7 +186,7 @@ def q_layer_converter(spec: LevelSpec, fewbit_bits: int | None, scope: bool = Tr
             if fewbit_target_of(source)[0] is not None:
                 module.__class__ = source  # converted again with few-bit codes
         if isinstance(module, QLayer):
-            module.act_level, module.act_name = spec.name, name  # errors name the layer
+            module.act_spec, module.act_name = spec, name  # errors name the layer
             return type(module).__name__
         if fewbit_target(module)[0] is not None or is_fewbit(module):
             new = swap_activation(module, fewbit_bits)
@@ -205,7 +205,7 @@ def q_layer_converter(spec: LevelSpec, fewbit_bits: int | None, scope: bool = Tr
         if reason is not None:
             return Left(reason, warn=True)
         module.__class__ = target
-        module.act_level, module.act_name = spec.name, name
+        module.act_spec, module.act_name = spec, name
         return target.__name__
 
     return convert_one

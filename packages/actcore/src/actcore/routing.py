@@ -45,6 +45,7 @@ from torch import Tensor
 
 from .config import LevelSpec, config
 from .fewbit import functional as FB
+from .layers.base import ConvertedLayer
 from .layers.derivative import keep_derivative
 from .layers.recompute import recompute
 from .loss import ROW_FUNCS, note_rows
@@ -56,13 +57,11 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 _Handler = Callable[["FunctionalRouter", tuple, dict], Any]
 
 
-class FunctionalLayer:
+class FunctionalLayer(ConvertedLayer):
     """What a routed functional call is to the stash: a level and a name, no weights."""
 
-    act_scheme: Any = None
-
-    def __init__(self, level: str, name: str = "<functional>") -> None:
-        self.act_level = level
+    def __init__(self, spec: LevelSpec, name: str = "<functional>") -> None:
+        self.act_spec = spec
         self.act_name = name
 
 
@@ -441,7 +440,7 @@ class FunctionalRouter:
         self.spec = spec
         self.fewbit_bits = fewbit_bits
         self.compresses_norms = spec.norm_bits is not None
-        self.layer = FunctionalLayer(spec.name)
+        self.layer = FunctionalLayer(spec)
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
         try:

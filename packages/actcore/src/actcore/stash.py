@@ -19,7 +19,7 @@ import torch
 
 from .compressors import IDENTITY, Compressor, Derived, Quantize, Swap, Tensors, ZeroValue
 from .compressors.channel_scaled import scaled
-from .config import LevelSpec, config, level_spec
+from .config import LevelSpec, config
 
 __all__ = [
     "ACTIVATION",
@@ -163,8 +163,9 @@ def note_mask(output: torch.Tensor, packed_mask: torch.Tensor) -> None:
 
 
 def layer_spec(layer: Any) -> LevelSpec:
-    level = getattr(layer, "act_level", None)
-    return level_spec(level if level is not None else config.level)
+    """``layer``'s level as resolved at conversion (``act_spec``), else the process-wide one."""
+    spec = getattr(layer, "act_spec", None)
+    return spec if spec is not None else config.spec
 
 
 _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)

@@ -1,4 +1,5 @@
-"""``QLayer``, the mixin of every Q-layer, and the configurations a Q-layer cannot take."""
+"""``ConvertedLayer``, what every converted layer carries; ``QLayer``, the mixin of every
+Q-layer; and the configurations a Q-layer cannot take."""
 
 from __future__ import annotations
 
@@ -7,20 +8,44 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import LevelSpec, level_spec
 from ..op_mode import call_outside_modes
 from ..stash import layer_spec, needs_saving
 
 __all__ = [
+    "ConvertedLayer",
     "QLayer",
     "unsupported_reason",
 ]
 
 
-class QLayer:
+class ConvertedLayer:
+    """What every converted layer (Q-layers, recomputed modules, routed functionals, the
+    adapters' layers) carries for the hot path, as typed fields.
+
+    ``act_spec``: its level, resolved once when it was converted (None: the process-wide
+    level, ``actcore.config.spec``); the per-pack path reads it and never looks a name up.
+    ``act_name``: its name in the model (errors name it). ``act_scheme``: its bits scheme
+    (e.g. :class:`actcore.adaptive.AdaptiveBits`), None for the level's fixed bits.
+    ``act_level`` is the level's name, and setting it resolves a name into ``act_spec``.
+    """
+
+    act_spec: LevelSpec | None = None
+    act_name: str = ""
+    act_scheme: Any = None
+
+    @property
+    def act_level(self) -> str | None:
+        return None if self.act_spec is None else self.act_spec.name
+
+    @act_level.setter
+    def act_level(self, level: str | LevelSpec | None) -> None:
+        self.act_spec = None if level is None else level_spec(level)  # ValueError if unknown
+
+
+class QLayer(ConvertedLayer):
     """Mixin of every Q-layer: its level and per-layer compression state."""
 
-    act_level: str | None = None
-    act_scheme: Any = None
     act_adaptive_bits = True  # whether adaptive bit plans (L3) choose its bits
 
     @torch.compiler.disable

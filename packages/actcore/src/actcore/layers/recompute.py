@@ -48,6 +48,7 @@ from ..stash import (
     stash,
     unstash,
 )
+from .base import ConvertedLayer
 from .derivative import keep_derivative
 
 __all__ = [
@@ -125,11 +126,9 @@ def recompute(
     return note_output(RecomputeFunction.apply(x, forward, layer, False))
 
 
-class RecomputedModule:
+class RecomputedModule(ConvertedLayer):
     """Mixin of the Q form of a cheap module recomputed in backward (see the module doc)."""
 
-    act_level: str | None = None
-    act_scheme: Any = None
     act_normalize: bool = False
     act_adaptive_bits = False  # the level's row-norm / activation bits
     act_source_class: type = nn.Module  # the class it was made from
