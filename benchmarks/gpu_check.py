@@ -101,6 +101,24 @@ def _median_time(step: Callable[[], None], device: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
+INTERVAL = 20
+"""Adaptive bits' default replan interval: its statistics are taken every step before the
+first replan, then over the last 4 of each 20; the steady step time is the mean over one
+whole interval after the first replan."""
+
+
+def _interval_time(step: Callable[[], None], device: Any, done: int, steps: int) -> float:
+    """Mean step time over ``steps`` steps once ``done`` steps (warm-up) reach INTERVAL."""
+    for _ in range(max(0, INTERVAL - done)):
+        step()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return (time.perf_counter() - t0) / steps
+
+
 def _peak(step: Callable[[], None], device: Any) -> dict[str, int | None]:
     """Peak bytes allocated during ``step`` above what was allocated before it."""
     import torch
@@ -335,6 +353,11 @@ def part_resnet(dry: bool, out: Path) -> dict[str, Any]:
         row = {"variant": variant, "batch": batch, "image_size": size, **_peak(step, device)}
         row["held_bytes"] = _held(model, x, device)
         row["step_time_s"] = _median_time(step, device, repeats)
+        # steady state: one whole replan interval (the median above is of steps that all
+        # take adaptive statistics, as every step before the first replan does)
+        row["step_time_interval_s"] = _interval_time(
+            step, device, done=INTERVAL if dry else 3 + repeats, steps=2 if dry else INTERVAL
+        )
         rows.append(row)
         _write(out / "part-resnet.partial.json", rows)
         del model, opt, step
@@ -342,6 +365,7 @@ def part_resnet(dry: bool, out: Path) -> dict[str, Any]:
     fp = rows[0]
     for row in rows:
         row["step_vs_fp"] = row["step_time_s"] / fp["step_time_s"]
+        row["interval_step_vs_fp"] = row["step_time_interval_s"] / fp["step_time_interval_s"]
         if fp["peak_above_start_bytes"]:
             row["peak_ratio_fp"] = fp["peak_above_start_bytes"] / row["peak_above_start_bytes"]
         if fp["held_bytes"]:
@@ -428,7 +452,8 @@ def part_llama(dry: bool, out: Path) -> dict[str, Any]:
 
 def part_profile(dry: bool, out: Path) -> dict[str, Any]:
     """Where an L3 ResNet-50 step spends its time: host (Python, dispatch) against device
-    kernels, and the ops that cost most of each (torch.profiler, one step after 3 warm)."""
+    kernels, and the ops that cost most of each (torch.profiler, one step after 3 warm; for
+    ``L3-steady`` one step after the first replan, which takes no adaptive statistics)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -437,11 +462,11 @@ def part_profile(dry: bool, out: Path) -> dict[str, Any]:
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 1000, (batch,), device=device)
     result: dict[str, Any] = {}
-    for variant in ("fp", "L3"):
-        model = _resnet(variant, device, dry)
+    for variant, warm in (("fp", 3), ("L3", 3), ("L3-steady", INTERVAL + 1)):
+        model = _resnet(variant.removesuffix("-steady"), device, dry)
 
         step = _classifier_step(model, x, y, device)
-        for _ in range(3):
+        for _ in range(warm):
             step()
         _sync(device)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -609,7 +634,8 @@ def summary(results: dict[str, Any]) -> list[str]:
         peak = row.get("peak_above_start_bytes")
         lines.append(
             f"resnet50 {row['variant']:5s} step {row['step_time_s'] * 1e3:8.1f} ms "
-            f"x{row.get('step_vs_fp', 0):.2f}  peak "
+            f"x{row.get('step_vs_fp', 0):.2f} (interval "
+            f"x{row.get('interval_step_vs_fp', 0):.2f})  peak "
             + (f"{peak / 2**20:9.0f} MiB x{row.get('peak_ratio_fp', 0):.2f}" if peak else "-")
         )
     for row in ((get("llama") or {}).get("result") or {}).get("rows", []):

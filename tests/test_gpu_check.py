@@ -52,8 +52,8 @@ def test_dry_run_results_have_the_committed_format(dry_run) -> None:
     assert parts["env"]["torch"] and parts["env"]["date"]
     resnet = parts["resnet"]["rows"]
     assert [r["variant"] for r in resnet] == ["fp", "ckpt", "L2", "L3", "L4"]
-    assert all(r["step_time_s"] > 0 for r in resnet)
-    assert resnet[0]["step_vs_fp"] == 1.0
+    assert all(r["step_time_s"] > 0 and r["step_time_interval_s"] > 0 for r in resnet)
+    assert resnet[0]["step_vs_fp"] == 1.0 and resnet[0]["interval_step_vs_fp"] == 1.0
     llama = parts["llama"]["rows"]
     assert [r["variant"] for r in llama] == ["sdpa", "ckpt", "act", "ckpt+act"]
     assert llama[0]["grad_cosine"] == pytest.approx(1.0)

@@ -174,7 +174,9 @@ class AdaptiveBits:
         self.steps = 0
         self.layers: dict[str, _LayerStats] = {}
         self.skipped = 0  # statistic updates left out for non-finite values (at last replan)
-        self._skipped: dict[torch.device, torch.Tensor] = {}  # the same, counted on device
+        # the same, counted on the device as updates taken, against the updates tried
+        self._taken: dict[torch.device, torch.Tensor] = {}
+        self._tried: dict[torch.device, int] = {}
         self._warned = False
         self._task: int | bool | None = None  # the backward pass whose end is awaited
         if model is not None:
@@ -381,17 +383,17 @@ class AdaptiveBits:
             self.replan()
 
     def _count_skip(self, taken: torch.Tensor) -> None:
-        counter = self._skipped.get(taken.device)
+        device = taken.device
+        counter = self._taken.get(device)
         if counter is None:
-            counter = self._skipped[taken.device] = torch.zeros(
-                (), dtype=torch.int64, device=taken.device
-            )
-        counter.add_((~taken).long())
+            counter = self._taken[device] = torch.zeros((), dtype=torch.int64, device=device)
+        counter.add_(taken)
+        self._tried[device] = self._tried.get(device, 0) + 1
 
     def _read_skipped(self) -> None:
         """Fold the device counters into :attr:`skipped` (a host read: at replans only)."""
-        for counter in self._skipped.values():
-            self.skipped += int(counter)
+        for device, counter in self._taken.items():
+            self.skipped += self._tried.pop(device, 0) - int(counter)
             counter.zero_()
         if self.skipped and not self._warned:
             self._warned = True
@@ -488,7 +490,7 @@ class AdaptiveBits:
         ) = top
         self.layers.update(layers)
         self._index_end = index_end
-        self._skipped = {}
+        self._taken, self._tried = {}, {}
         self._task = None
 
 

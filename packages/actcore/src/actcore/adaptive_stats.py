@@ -57,7 +57,8 @@ def _finite_ema(
     before any finite value), and ``taken`` is a 0-d bool tensor saying whether it entered.
     """
     new = new.detach().float()
-    taken = torch.isfinite(new).all()
+    safe = new.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    taken = safe.eq(new).all()  # every value finite (a NaN or an inf was replaced)
     fresh = old is None or old.shape != new.shape or old.device != new.device
     if fresh:
         old = torch.zeros_like(new)
@@ -65,11 +66,12 @@ def _finite_ema(
     elif seen is None:  # set by hand (tests, old states): holds a finite value already
         seen = torch.ones((), dtype=torch.int64, device=new.device)
     assert old is not None and seen is not None
-    safe = torch.where(torch.isfinite(new), new, 0.0)
-    averaged = torch.where(seen > 0, old * momentum + safe * (1 - momentum), safe)
-    # in place: the running statistics keep their storage (no allocation outlives the step)
-    old.copy_(torch.where(taken, averaged, old))
-    seen.add_(taken.long())
+    # the old average's weight: 1 when this value is left out, else the momentum once a
+    # finite value was seen (0 before: the first one enters whole); one fused update, in
+    # place (the running statistics keep their storage: no allocation outlives the step)
+    weight = torch.where(taken, (seen > 0) * momentum, 1.0)
+    old.lerp_(safe, 1.0 - weight)  # (exact at the ends: a skipped value leaves ``old`` as is)
+    seen.add_(taken)
     return old, seen, taken
 
 
