@@ -94,3 +94,25 @@ def test_unknown_part_is_a_clear_error(tmp_path) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert done.returncode == 2
     assert "unknown parts ['bogus']" in done.stderr and "max-batch-L3" in done.stderr
+
+
+def test_a_test_that_crashes_the_process_is_recorded_and_the_rest_still_run(
+    tmp_path, monkeypatch
+) -> None:
+    """A segfault in one test (as a failing argument check of a native kernel gave on the
+    H100) is named as ``crashed``, fails the part, and every other test still reports."""
+    (tmp_path / "test_crash.py").write_text(
+        "import os, signal\n"
+        "def test_before():\n    assert True\n"
+        "def test_crashes():\n    os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "def test_after():\n    assert False, 'a plain failure'\n"
+    )
+    module = _module()
+    monkeypatch.setattr(module, "ROOT", tmp_path)
+    monkeypatch.setattr(module, "TEST_FILES", ["test_crash.py"])
+    result = module.part_tests(False, tmp_path)
+    assert result["crashed"] == ["test_crash.py::test_crashes"]
+    assert result["returncodes"][0] < 0 and result["returncodes"][-1] == 1
+    assert result["counts"]["tests"] == 2 and result["counts"]["failures"] == 1
+    assert result["failed"][0].startswith("test_crash::test_after")
+    assert result["part_ok"] is False

@@ -92,7 +92,7 @@ def test_cuda_prefetch_on_side_stream_values_exact() -> None:
     assert torch.equal(out4, xs[4])
     assert entries[3].fetched is not None and entries[2].fetched is not None
     assert entries[1].fetched is None
-    side = compressors.swap._SIDE_STREAMS[dev]
+    side = compressors.swap._SIDE_STREAMS[xs[0].device]  # (keyed by the indexed device)
     assert side != torch.cuda.current_stream(dev)  # the copies ran on a side stream
     for i in (3, 2, 1, 0):
         prefetched = entries[i].fetched
