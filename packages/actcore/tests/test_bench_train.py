@@ -21,7 +21,7 @@ from conftest import run_cli
 
 from actcore.bench import data, train
 from actcore.bench.gpt import CharGPT, GPTConfig, apply_rotary, rotary_tables
-from actcore.bench.tasks import Mnist1DTask, ShakespeareChar
+from actcore.bench.tasks import DigitsEfficientNet, Mnist1DTask, ShakespeareChar
 
 ENVELOPE = {"benchmark", "machine", "torch", "date", "command", "config", "partial", "rows"}
 
@@ -328,3 +328,21 @@ def test_mnist1d_quick_l3_accuracy_within_2_5_points_of_fp32(mnist):
     assert fp["accuracy_mean"] > 0.9
     assert l3["delta_points"] >= -2.5, (fp["accuracy_mean"], l3["accuracy_mean"])
     assert l3["ratio"] > 5  # 14x measured
+
+
+def test_digits_effnet_is_a_fixed_split_of_real_digits_and_an_efficientnet() -> None:
+    """360 test and 1,437 train images of sklearn's digits, the same split every time,
+    standardized 16x16 RGB; the model is torchvision's EfficientNet with batch norms, SiLUs
+    and squeeze-excitation gates (the layers the unbiased-gradients work is about)."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("torchvision")
+    task = DigitsEfficientNet(batch=32, device=torch.device("cpu"))
+    again = DigitsEfficientNet(batch=32, device=torch.device("cpu"))
+    assert task.x.shape == (1437, 3, 16, 16) and task.x_test.shape == (360, 3, 16, 16)
+    assert torch.equal(task.y_test, again.y_test) and torch.equal(task.x, again.x)
+    assert abs(float(task.x.mean())) < 1e-3 and abs(float(task.x.std()) - 1) < 1e-2
+    assert sorted(set(task.y_test.tolist())) == list(range(10))
+    kinds = {type(m).__name__ for m in task.build_model().modules()}
+    assert {"BatchNorm2d", "SiLU", "SqueezeExcitation", "Sigmoid", "MBConv"} <= kinds
+    x, y = next(task.batches(torch.Generator().manual_seed(0)))
+    assert x.shape == (32, 3, 16, 16) and y.shape == (32,)

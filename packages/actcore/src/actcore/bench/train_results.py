@@ -56,7 +56,7 @@ def make_row(
         "train_time_s": statistics.fmean(r["train_time_s"] for r in runs),
         "runs": runs,
     }
-    if cfg.task != "mnist1d":
+    if SPECS[cfg.task].metric != "accuracy":
         for key in ("accuracy_mean", "accuracy_std", "accuracies"):
             row.pop(key)
     if partial:
@@ -81,7 +81,8 @@ def add_deltas(rows: list[dict[str, Any]]) -> None:
 
 
 def columns(task: str, rows: list[dict[str, Any]]) -> list[report.Column]:
-    """Table columns (accuracy only for mnist1d, std only with several seeds)."""
+    """Table columns (accuracy only for classification tasks, std only with several seeds)."""
+    accuracy = SPECS[task].metric == "accuracy"
     cols = [
         report.Column("label", "level", justify="left"),
         report.Column("val_loss_mean", "val loss", report.fmt_float(4)),
@@ -89,7 +90,7 @@ def columns(task: str, rows: list[dict[str, Any]]) -> list[report.Column]:
     ]
     if any(len(r["seeds"]) > 1 for r in rows):
         cols.insert(2, report.Column("val_loss_std", "std", report.fmt_float(4)))
-    if task == "mnist1d":
+    if accuracy:
         cols += [
             report.Column("accuracy_mean", "test accuracy", lambda v: f"{100 * v:.2f}%"),
             report.Column("delta_points", "vs fp (points)", lambda v: f"{v:+.2f}"),
@@ -101,8 +102,8 @@ def columns(task: str, rows: list[dict[str, Any]]) -> list[report.Column]:
         report.Column("time_ratio", "time / fp", report.fmt_float(2, "x")),
     ]
     if any(len(r["seeds"]) > 1 for r in rows):
-        key, fmt = ("accuracies", "{:.1f}") if task == "mnist1d" else ("val_losses", "{:.3f}")
-        scale = 100 if task == "mnist1d" else 1
+        key, fmt = ("accuracies", "{:.1f}") if accuracy else ("val_losses", "{:.3f}")
+        scale = 100 if accuracy else 1
 
         def per_seed(values: list[float | None]) -> str:
             return " ".join("-" if v is None else fmt.format(scale * v) for v in values)
@@ -163,7 +164,7 @@ def figure(cfg: TrainConfig, rows: list[dict[str, Any]]) -> Any:
     cfg = cfg.resolved()
     fig = Figure(figsize=(11, 4.2), dpi=120)
     left, right = fig.subplots(1, 2)
-    accuracy = cfg.task == "mnist1d"
+    accuracy = SPECS[cfg.task].metric == "accuracy"
     right_key = "accuracy" if accuracy else "val_loss"
     ends: dict[str, list[list[float]]] = {"train_loss": [], right_key: []}
     for row in rows:
