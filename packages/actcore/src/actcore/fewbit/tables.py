@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..ops.api import check_bits as _check_bits
 from .derivatives import DERIVATIVES, canonical_params, table_key
 from .optimal import NORMAL, Distribution, fit_piecewise_constant
 
@@ -63,14 +64,8 @@ SHIPPED_KEYS: tuple[tuple[str, dict[str, Any]], ...] = (
 
 
 def check_bits(bits: object) -> int:
-    """``bits`` as an int in 1..4, else TypeError/ValueError naming the value."""
-    if isinstance(bits, bool) or not isinstance(bits, int):
-        raise TypeError(
-            f"bits must be an int in 1..{MAX_BITS}, got {bits!r} ({type(bits).__name__})"
-        )
-    if not 1 <= bits <= MAX_BITS:
-        raise ValueError(f"bits must be in 1..{MAX_BITS}, got {bits}")
-    return bits
+    """``bits`` for a derivative code: :func:`actcore.ops.api.check_bits` in 1..4."""
+    return _check_bits(bits, "bits", MAX_BITS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,12 +31,13 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _FLOAT_NAMES = ", ".join(str(d) for d in FLOAT_DTYPES)
 
 
-def check_bits(bits: object, name: str = "bits") -> int:
-    """``bits`` as an int in 1..8, else TypeError/ValueError naming the value."""
+def check_bits(bits: object, name: str = "bits", high: int = 8) -> int:
+    """``bits`` as an int in ``1..high`` (8: quantization; FewBit's derivative codes: 4),
+    else TypeError/ValueError naming the value: actcore's one bits check."""
     if isinstance(bits, bool) or not isinstance(bits, int):
-        raise TypeError(f"{name} must be an int in 1..8, got {bits!r} ({type(bits).__name__})")
-    if not 1 <= bits <= 8:
-        raise ValueError(f"{name} must be in 1..8, got {bits}")
+        raise TypeError(f"{name} must be an int in 1..{high}, got {bits!r} ({type(bits).__name__})")
+    if not 1 <= bits <= high:
+        raise ValueError(f"{name} must be in 1..{high}, got {bits}")
     return bits
 
 
