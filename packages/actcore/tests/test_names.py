@@ -1,65 +1,40 @@
-"""Renamed modules and attributes keep working for a release, with a DeprecationWarning,
-and compressors live one per module."""
+"""Renamed modules and attributes have no aliases left (0.1.0, before any release), and
+compressors live one per module."""
 
 from __future__ import annotations
 
 import importlib
-import sys
 
 import pytest
 from torch import nn
 
 import actcore
-from actcore import compressors, saved_tensor_hooks, stash
+from actcore import compressors, saved_tensor_hooks
 from actcore.policy_scheme import PolicyScheme
 from actcore.scope import ModelScope
 
 
-@pytest.mark.parametrize(
-    ("old", "new", "where"),
-    [("engine", stash, "actcore.stash"), ("hooks", saved_tensor_hooks, "saved_tensor_hooks")],
-)
-def test_old_module_names_warn_and_give_the_new_module(monkeypatch, old, new, where) -> None:
-    monkeypatch.delitem(sys.modules, f"actcore.{old}", raising=False)
-    with pytest.warns(DeprecationWarning, match=where):
-        module = importlib.import_module(f"actcore.{old}")
-    assert module is new
-    assert getattr(actcore, old) is new  # actcore.engine, actcore.hooks as attributes too
+@pytest.mark.parametrize("old", ["engine", "hooks"])
+def test_the_pre_release_module_aliases_are_gone(old) -> None:
+    """0.1.0 has no users to protect: the renamed modules (now ``stash`` and
+    ``saved_tensor_hooks``) have no warning aliases left."""
+    with pytest.raises(ModuleNotFoundError, match=f"actcore.{old}"):
+        importlib.import_module(f"actcore.{old}")
+    with pytest.raises(AttributeError, match=f"no attribute '{old}'"):
+        getattr(actcore, old)
 
 
-def test_old_imports_from_the_hooks_module_still_work(monkeypatch) -> None:
-    monkeypatch.delitem(sys.modules, "actcore.hooks", raising=False)
-    with pytest.warns(DeprecationWarning, match="moved to actcore.compressors"):
-        from actcore.hooks import MaskBits, SavedTensorCompressor, SeededQuantize
-    assert MaskBits is compressors.MaskBits and SeededQuantize is compressors.SeededQuantize
-    assert SavedTensorCompressor is saved_tensor_hooks.SavedTensorHooks
-
-
-def test_the_saved_tensor_hooks_old_class_name_warns() -> None:
-    with pytest.warns(DeprecationWarning, match="renamed SavedTensorHooks"):
-        old = saved_tensor_hooks.SavedTensorCompressor
-    assert old is saved_tensor_hooks.SavedTensorHooks
-    with pytest.raises(AttributeError, match="no attribute 'Missing'"):
-        saved_tensor_hooks.Missing  # noqa: B018
-
-
-def test_policy_scheme_from_convert_warns() -> None:
-    with pytest.warns(DeprecationWarning, match="actcore.policy_scheme"):
-        from actcore.convert import PolicyScheme as old
-    assert old is PolicyScheme
-
-
-def test_engine_attributes_warn_and_name_the_saved_tensor_hooks() -> None:
+def test_the_pre_release_attribute_aliases_are_gone() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
     controller = actcore.Controller(model, "L1")
-    with pytest.warns(DeprecationWarning, match="saved_tensor_hooks"):
-        assert controller.engine is controller.saved_tensor_hooks
+    assert not hasattr(controller, "engine")
     actcore.convert(model, "L2")
     scope = model.act_scope
-    assert isinstance(scope, ModelScope)
-    with pytest.warns(DeprecationWarning, match="saved_tensor_hooks"):
-        assert scope.engine is scope.saved_tensor_hooks
+    assert isinstance(scope, ModelScope) and not hasattr(scope, "engine")
     assert isinstance(scope.saved_tensor_hooks, saved_tensor_hooks.SavedTensorHooks)
+    assert not hasattr(saved_tensor_hooks, "SavedTensorCompressor")
+    assert not hasattr(importlib.import_module("actcore.convert"), "PolicyScheme")
+    assert PolicyScheme.__module__ == "actcore.policy_scheme"
 
 
 def test_each_compressor_lives_in_its_own_module() -> None:

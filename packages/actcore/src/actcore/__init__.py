@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from . import compressors, ops, policies, resume, rng, stash
 from .config import LEVELS, Config, LevelSpec, config, set_optimization_level
 from .controller import Controller
@@ -35,13 +32,3 @@ __all__ = [
     "stash",
     *_layer_names,
 ]
-
-_RENAMED = {"engine": "stash", "hooks": "saved_tensor_hooks"}  # deprecated module names
-
-
-def __getattr__(name: str) -> Any:
-    """``actcore.engine`` and ``actcore.hooks``: deprecated aliases of the renamed modules
-    (importing them warns with a DeprecationWarning naming the new module)."""
-    if name in _RENAMED:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,6 @@ afterwards, so the caller's ``.grad`` and random stream are unchanged).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -107,17 +106,6 @@ class Controller:
     @property
     def installed(self) -> bool:
         return self._installed
-
-    @property
-    def engine(self) -> SavedTensorHooks:
-        """Deprecated name of :attr:`saved_tensor_hooks` (removed in the next release)."""
-        warnings.warn(
-            "Controller.engine is deprecated and will be removed in the next release: it is "
-            "now Controller.saved_tensor_hooks (the SavedTensorHooks it installs)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.saved_tensor_hooks
 
     def install_hook(self) -> None:
         """Start compressing saved tensors (on this thread) until :meth:`uninstall_hook`."""

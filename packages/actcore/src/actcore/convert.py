@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -241,18 +240,3 @@ def _set_adaptive(model: nn.Module, adaptive: bool) -> None:
 def QModule(model: nn.Module) -> nn.Module:
     """ActNN's entry point: ``convert(model)`` at the level set by ``set_optimization_level``."""
     return convert(model)
-
-
-def __getattr__(name: str) -> Any:
-    """``PolicyScheme``, deprecated here: it moved to :mod:`actcore.policy_scheme`."""
-    if name == "PolicyScheme":
-        warnings.warn(
-            "actcore.convert.PolicyScheme is deprecated and will be removed in the next "
-            "release: it moved to actcore.policy_scheme.PolicyScheme",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from .policy_scheme import PolicyScheme
-
-        return PolicyScheme
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -43,7 +43,6 @@ data-dependent check, i.e. a device sync per tensor); they are quantized like an
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -449,15 +448,3 @@ def compress_saved_tensors(
     return SavedTensorHooks(
         policy, model=model, min_numel=min_numel, group_size=group_size, exact_ops=exact_ops
     )
-
-
-def __getattr__(name: str) -> Any:
-    if name == "SavedTensorCompressor":  # its old name: it is no Compressor, so renamed
-        warnings.warn(
-            "actcore.saved_tensor_hooks.SavedTensorCompressor is deprecated and will be "
-            "removed in the next release: it was renamed SavedTensorHooks",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return SavedTensorHooks
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

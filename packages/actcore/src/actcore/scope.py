@@ -28,7 +28,6 @@ own scope).
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -101,17 +100,6 @@ class ModelScope:
     def active(self) -> bool:
         """Whether this thread is inside the scope (in the root's forward, hooks pushed)."""
         return self.saved_tensor_hooks.active
-
-    @property
-    def engine(self) -> SavedTensorHooks:
-        """Deprecated name of :attr:`saved_tensor_hooks` (removed in the next release)."""
-        warnings.warn(
-            "ModelScope.engine is deprecated and will be removed in the next release: it is "
-            "now ModelScope.saved_tensor_hooks (the SavedTensorHooks it pushes)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.saved_tensor_hooks
 
     # ---- copies -----------------------------------------------------------------------------
 
