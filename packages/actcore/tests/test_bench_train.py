@@ -346,3 +346,23 @@ def test_digits_effnet_is_a_fixed_split_of_real_digits_and_an_efficientnet() -> 
     assert {"BatchNorm2d", "SiLU", "SqueezeExcitation", "Sigmoid", "MBConv"} <= kinds
     x, y = next(task.batches(torch.Generator().manual_seed(0)))
     assert x.shape == (32, 3, 16, 16) and y.shape == (32,)
+
+
+def test_digits_effnet_quick_l3_accuracy_within_2_5_points_of_fp32() -> None:
+    """The small EfficientNet trained 150 steps (``--quick``, batch 32) from seed 0.
+
+    Measured on the 2-core CPU (torch 2.14.1, 2026-11-26), L3 minus fp32 test accuracy
+    after 150 steps, seeds 0-2: 0.0, -0.3, -0.2 points (fp32 96-98%); after the full 800
+    steps -1.4, -0.2, -0.8. Bound: at most 2.5 points (9 of the 360 test images) below
+    fp32, and at least 8x fewer bytes (10.5x measured). About 25 s.
+    """
+    pytest.importorskip("sklearn")
+    pytest.importorskip("torchvision")
+    task = DigitsEfficientNet(batch=32, device=torch.device("cpu"))
+    rows: list[dict] = []
+    cfg = train.TrainConfig(task="digits-effnet", levels=["fp", "L3"], quick=True)
+    train.run(cfg, rows, task=task)
+    fp, l3 = rows
+    assert fp["steps"] == 150 and fp["accuracy_mean"] > 0.93
+    assert l3["delta_points"] >= -2.5, (fp["accuracy_mean"], l3["accuracy_mean"])
+    assert l3["ratio"] > 8

@@ -71,10 +71,7 @@ SPECS: dict[str, TaskSpec] = {
         quick_eval_batches=8,
     ),
     "digits-effnet": TaskSpec(
-        summary=(
-            "EfficientNet-style CNN (torchvision's MBConv: BatchNorm, SiLU, squeeze-excitation) "
-            "on sklearn's digits upsampled to 16x16 (1,437 train, 360 test)"
-        ),
+        summary="small EfficientNet (MBConv: BatchNorm, SiLU, SE) on sklearn's digits at 16x16",
         metric="accuracy",
         steps=800,
         eval_interval=200,
