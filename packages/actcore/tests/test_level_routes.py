@@ -17,6 +17,7 @@ from actcore.bench.routes import check_levels, route_levels
 from actcore.config import LEVELS, level_spec
 from actcore.policies import HOOK_LEVELS, hook_level
 from actcore.policy_scheme import PolicyScheme
+from actcore.stash import layer_spec
 
 
 def test_a_level_name_means_what_its_own_route_says() -> None:
@@ -127,3 +128,11 @@ def test_layers_keep_the_spec_and_their_level_name_resolves_on_assignment() -> N
     with pytest.raises(ValueError, match=r"unknown optimization level 'L1.2'"):
         actcore.config.level = "L1.2"  # the config resolves its name on assignment too
     assert actcore.config.spec is before and actcore.config.level == before.name
+
+
+def test_a_q_layer_built_directly_has_no_name_and_the_process_wide_level() -> None:
+    """``QConv2d(...)`` written in a model (as OpenMMLab configs do) is not yet converted: no
+    name (adaptive bits and policies then leave it alone), the process-wide level."""
+    layer = actcore.QConv2d(3, 4, 3)
+    assert layer.act_name is None and layer.act_spec is None and layer.act_level is None
+    assert layer_spec(layer) is actcore.config.spec

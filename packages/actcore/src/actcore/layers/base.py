@@ -25,13 +25,14 @@ class ConvertedLayer:
 
     ``act_spec``: its level, resolved once when it was converted (None: the process-wide
     level, ``actcore.config.spec``); the per-pack path reads it and never looks a name up.
-    ``act_name``: its name in the model (errors name it). ``act_scheme``: its bits scheme
+    ``act_name``: its name in the model (errors and bit plans name it; ``""`` is the root,
+    None a layer built directly, not by a conversion). ``act_scheme``: its bits scheme
     (e.g. :class:`actcore.adaptive.AdaptiveBits`), None for the level's fixed bits.
     ``act_level`` is the level's name, and setting it resolves a name into ``act_spec``.
     """
 
     act_spec: LevelSpec | None = None
-    act_name: str = ""
+    act_name: str | None = None
     act_scheme: Any = None
 
     @property
