@@ -57,7 +57,7 @@ def test_level_table_and_conversions() -> None:
     assert isinstance(as_policy("acgc"), ACGC)
     with pytest.raises(ValueError, match="avg_bits must be a number in"):
         AutoPrecision(avg_bits=9)
-    with pytest.raises(ValueError, match="error_bound must be a positive number, got -1"):
+    with pytest.raises(ValueError, match="error_bound must be a finite positive number, got -1"):
         ACGC(error_bound=-1)
     with pytest.raises(ValueError, match="adapt_interval must be >= 1, got 0"):
         AutoPrecision(adapt_interval=0)

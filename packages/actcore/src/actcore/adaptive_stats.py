@@ -45,6 +45,12 @@ def _ema(old: torch.Tensor | None, new: torch.Tensor, momentum: float) -> torch.
     return old.mul_(momentum).add_(new, alpha=1 - momentum)
 
 
+def _norm_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a gradient's norm is taken in: float32, or float64 for a float64 gradient
+    (torch refuses to narrow in ``vector_norm``); the statistics then keep float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _finite_ema(
     old: torch.Tensor | None,
     seen: torch.Tensor | None,
@@ -113,8 +119,8 @@ def _coupling(grad: torch.Tensor, restored: torch.Tensor, group_size: int) -> to
     else:
         per_element = ranges.repeat_interleave(group_size, 1)[:, :size]
         spread = per_element.view(n, positions, channels).sum(-1)
-    energy = torch.linalg.vector_norm(
-        grad.detach().reshape(n, positions, -1), dim=-1, dtype=torch.float32
-    ).square()
+    g = grad.detach()
+    energy = torch.linalg.vector_norm(g.reshape(n, positions, -1), dim=-1, dtype=_norm_dtype(g))
+    energy = energy.float().square()
     expected = energy.mean() * spread.sum()
     return torch.where(expected > 0, (energy * spread).sum() / expected, one)

@@ -18,6 +18,7 @@ import math
 import os
 import platform
 import shlex
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -159,6 +160,16 @@ def check_output_path(path: str | os.PathLike[str], option: str) -> Path:
     return path
 
 
+def _mode_for(path: Path) -> int:
+    """The permissions ``path`` has, or those ``open`` would give a new file (the umask's)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """A temporary path beside ``path`` to write to; renamed onto ``path`` on success and
@@ -169,6 +180,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, _mode_for(path))  # not mkstemp's 0600: the file's own, or open()'s
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

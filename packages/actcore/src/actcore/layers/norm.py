@@ -51,8 +51,8 @@ class QBatchNormBase(QLayer):
         return factor
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not self._compresses(input, self.weight, self.bias):
-            return super().forward(input)
+        if not self._compresses(input, self.weight, self.bias) or input.numel() == 0:
+            return super().forward(input)  # (an empty batch: torch's empty output, nothing kept)
         self._check_input_dim(input)
         factor = self._momentum_factor()
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)

@@ -329,8 +329,13 @@ class ACGC(AdaptivePolicy):
         self, error_bound: float = 0.1, *, safety: float = 0.5, min_bits: int = 2, **kwargs: Any
     ) -> None:
         super().__init__(min_bits=min_bits, **kwargs)
-        if not isinstance(error_bound, (int, float)) or error_bound <= 0:
-            raise ValueError(f"error_bound must be a positive number, got {error_bound!r}")
+        if (
+            isinstance(error_bound, bool)
+            or not isinstance(error_bound, (int, float))
+            or not math.isfinite(error_bound)
+            or error_bound <= 0
+        ):
+            raise ValueError(f"error_bound must be a finite positive number, got {error_bound!r}")
         if not isinstance(safety, (int, float)) or not 0 < safety <= 1:
             raise ValueError(f"safety must be in (0, 1], got {safety!r}")
         self.error_bound = float(error_bound)

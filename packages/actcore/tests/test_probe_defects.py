@@ -1,0 +1,69 @@
+"""Defects of the second probe round (the reliability issue), each with its test."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+
+import pytest
+import torch
+from torch import nn
+
+import actcore
+from actcore.bench import report
+from actcore.policies.sensitivity import ACGC
+
+
+def test_the_default_level_trains_a_float64_model() -> None:
+    """Item 1: adaptive bits' gradient statistics took a float32 norm of a float64
+    gradient (torch refuses a lower ``dtype``); a double model now trains at L3."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten())
+    model = actcore.convert(model.double(), "L3")
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    for _ in range(3):
+        model.zero_grad()
+        model(x).square().mean().backward()
+    assert all(
+        p.grad.dtype == torch.float64 and p.grad.isfinite().all() for p in model.parameters()
+    )
+
+
+@pytest.mark.parametrize("level", ["L2", "L3"])
+def test_an_empty_batch_through_a_converted_batch_norm(level: str) -> None:
+    """Item 4: a detection head with no proposals sends an empty batch; torch returns an
+    empty output in eval and training, so does the converted batch norm."""
+    plain = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU())
+    model = actcore.convert(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU()), level)
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(0, 3, 5, 5, requires_grad=True)
+    out = model(x)
+    assert out.shape == plain(x).shape == (0, 4, 5, 5)
+    out.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("bound", [float("nan"), float("inf"), -1.0, 0.0, True])
+def test_acgc_error_bound_must_be_a_finite_positive_number(bound: float) -> None:
+    """Item 7: NaN and inf were accepted (NaN then planned the minimum bits everywhere)."""
+    with pytest.raises(ValueError, match="error_bound must be a finite positive number"):
+        ACGC(error_bound=bound)
+
+
+def test_an_atomic_json_write_keeps_the_files_permissions(tmp_path) -> None:
+    """Item 8: the write went through ``mkstemp``'s 0600 file, so overwriting a 0644
+    results file left it 0600; a new file gets the umask's mode as ``open`` gives it."""
+    path = tmp_path / "results.json"
+    path.write_text("{}")
+    path.chmod(0o644)
+    report.write_json(path, {"a": 1})
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644 and json.loads(path.read_text()) == {"a": 1}
+    fresh = tmp_path / "fresh.json"
+    umask = os.umask(0o022)
+    try:
+        report.write_json(fresh, {"b": math.pi})
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o644
