@@ -67,3 +67,10 @@ def test_an_atomic_json_write_keeps_the_files_permissions(tmp_path) -> None:
     finally:
         os.umask(umask)
     assert stat.S_IMODE(os.stat(fresh).st_mode) == 0o644
+
+
+def test_both_routes_refuse_a_non_finite_error_bound() -> None:
+    with pytest.raises(ValueError, match="finite positive number, got nan"):
+        actcore.Controller(nn.Linear(4, 4), "L2", policy="acgc", error_bound=float("nan"))
+    with pytest.raises(ValueError, match="finite positive number, got inf"):
+        actcore.convert(nn.Linear(4, 4), policy="acgc", error_bound=float("inf"))
