@@ -16,9 +16,10 @@ matrix's gradient.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -39,29 +40,45 @@ def _loss(out: Tensor, weights: Tensor) -> Tensor:
     return (out * weights).sum() / out.numel()
 
 
-def _ratios(model: nn.Module, x: Tensor, route: str, level: str) -> dict[str, float]:
-    """``error of the mean of N_STEPS gradients / (rms single-step error / sqrt(N_STEPS))``,
-    for the whole model (``"all"``) and each weight matrix."""
+def _reference(model: nn.Module, x: Tensor) -> tuple[Tensor, nn.Module]:
+    """The loss's fixed projection for ``model``'s output, and an uncompressed copy of
+    ``model`` holding the exact gradients."""
     reference = copy.deepcopy(model)
     with torch.no_grad():
         weights = torch.randn_like(reference(x))
     reference.zero_grad()
     _loss(reference(x), weights).backward()
+    return weights, reference
+
+
+@contextlib.contextmanager
+def _compressed(model: nn.Module, route: str, level: str) -> Iterator[nn.Module]:
+    """A copy of ``model`` compressing on ``route`` at ``level`` (the hooks installed while
+    inside)."""
+    compressed = copy.deepcopy(model)
+    if route == "convert":
+        yield actcore.convert(compressed, level=level)
+        return
+    controller = actcore.Controller(compressed, level=level)
+    controller.install_hook()
+    try:
+        yield compressed
+    finally:
+        controller.uninstall_hook()
+
+
+def _ratios(model: nn.Module, x: Tensor, route: str, level: str) -> dict[str, float]:
+    """``error of the mean of N_STEPS gradients / (rms single-step error / sqrt(N_STEPS))``,
+    for the whole model (``"all"``) and each weight matrix."""
+    weights, reference = _reference(model, x)
     names = [n for n, p in reference.named_parameters() if p.dim() >= 2]
     true = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
-    compressed = copy.deepcopy(model)
-    controller = None
-    if route == "convert":
-        compressed = actcore.convert(compressed, level=level)
-    else:
-        controller = actcore.Controller(compressed, level=level)
-        controller.install_hook()
     keys = ["all", *names]
     total = {k: torch.zeros_like(true[k]) if k != "all" else None for k in keys}
     square = dict.fromkeys(keys, 0.0)
     whole_true = torch.cat([t.flatten() for t in true.values()])
     whole_sum = torch.zeros_like(whole_true)
-    try:
+    with _compressed(model, route, level) as compressed:
         for _ in range(N_STEPS):
             compressed.zero_grad()
             _loss(compressed(x), weights).backward()
@@ -72,9 +89,6 @@ def _ratios(model: nn.Module, x: Tensor, route: str, level: str) -> dict[str, fl
             for n in names:
                 total[n] += grads[n]
                 square[n] += float((grads[n] - true[n]).norm() / true[n].norm()) ** 2
-    finally:
-        if controller is not None:
-            controller.uninstall_hook()
     ratios = {}
     for k in keys:
         mean = whole_sum / N_STEPS if k == "all" else total[k] / N_STEPS
@@ -336,26 +350,14 @@ def test_linear_after_an_outlier_activation_is_within_five_percent(
     for the mean of 60 (the test above shows it unbiased there)."""
     torch.manual_seed(0)
     model, x = Between(ACTIVATIONS[kind](), outlier=True), _tokens()
-    reference = copy.deepcopy(model)
-    with torch.no_grad():
-        weights = torch.randn_like(reference(x))
-    _loss(reference(x), weights).backward()
+    weights, reference = _reference(model, x)
     true = reference.second.weight.grad
-    if route == "convert":
-        compressed, controller = actcore.convert(copy.deepcopy(model), level=level), None
-    else:
-        compressed = copy.deepcopy(model)
-        controller = actcore.Controller(compressed, level=level)
-        controller.install_hook()
     total = torch.zeros_like(true)
-    try:
+    with _compressed(model, route, level) as compressed:
         for _ in range(60):
             compressed.zero_grad()
             _loss(compressed(x), weights).backward()
             assert not torch.equal(compressed.second.weight.grad, true)  # compressed at all
             total += compressed.second.weight.grad
-    finally:
-        if controller is not None:
-            controller.uninstall_hook()
     error = float((total / 60 - true).norm() / true.norm())
     assert error <= 0.05, f"mean of 60 weight gradients {error:.1%} off the true one"

@@ -90,7 +90,7 @@ from .adaptive_plan import (
 from .adaptive_recording import _Recording
 from .adaptive_samples import _checked_index, _sample_scale, _write_norms
 from .adaptive_state import _DEFAULT_WINDOW, _checked_state
-from .adaptive_stats import _coupling, _ema, _finite_ema, _LayerStats, _norm_dtype
+from .adaptive_stats import _coupling, _ema, _finite_ema, _LayerStats, _squared_norm
 from .compressors import (
     Compressor,
     PerSampleQuantize,
@@ -343,13 +343,11 @@ class AdaptiveBits:
         fan = 1.0 / per_sample if norm else kernel / positions
         with torch.no_grad():
             g = grad.detach()
-            wide = _norm_dtype(g)
             if per_sample_table:  # squared norms per sample (one pass), then their sum
-                norms = torch.linalg.vector_norm(g.reshape(n, -1), dim=1, dtype=wide).float()
-                norms = norms.square()
+                norms = _squared_norm(g.reshape(n, -1), dim=1)
                 total = norms.sum()
             else:
-                total = torch.linalg.vector_norm(g, dtype=wide).float().square()
+                total = _squared_norm(g)
             if collect:
                 sens = total * (fan / n)
                 if restored is not None and channel_dim == -1:

@@ -45,10 +45,12 @@ def _ema(old: torch.Tensor | None, new: torch.Tensor, momentum: float) -> torch.
     return old.mul_(momentum).add_(new, alpha=1 - momentum)
 
 
-def _norm_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype a gradient's norm is taken in: float32, or float64 for a float64 gradient
-    (torch refuses to narrow in ``vector_norm``); the statistics then keep float32."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+def _squared_norm(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``|t|^2`` (along ``dim``, else whole) as float32, taken in float32 (float64 for a
+    float64 tensor: ``vector_norm`` refuses to narrow); no conversion op for the others."""
+    if t.dtype == torch.float64:
+        return torch.linalg.vector_norm(t, dim=dim, dtype=torch.float64).float().square()
+    return torch.linalg.vector_norm(t, dim=dim, dtype=torch.float32).square()
 
 
 def _finite_ema(
@@ -119,8 +121,6 @@ def _coupling(grad: torch.Tensor, restored: torch.Tensor, group_size: int) -> to
     else:
         per_element = ranges.repeat_interleave(group_size, 1)[:, :size]
         spread = per_element.view(n, positions, channels).sum(-1)
-    g = grad.detach()
-    energy = torch.linalg.vector_norm(g.reshape(n, positions, -1), dim=-1, dtype=_norm_dtype(g))
-    energy = energy.float().square()
+    energy = _squared_norm(grad.detach().reshape(n, positions, -1), dim=-1)
     expected = energy.mean() * spread.sum()
     return torch.where(expected > 0, (energy * spread).sum() / expected, one)
