@@ -46,11 +46,13 @@ def _ema(old: torch.Tensor | None, new: torch.Tensor, momentum: float) -> torch.
 
 
 def _squared_norm(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """``|t|^2`` (along ``dim``, else whole) as float32, taken in float32 (float64 for a
-    float64 tensor: ``vector_norm`` refuses to narrow); no conversion op for the others."""
-    if t.dtype == torch.float64:
-        return torch.linalg.vector_norm(t, dim=dim, dtype=torch.float64).float().square()
-    return torch.linalg.vector_norm(t, dim=dim, dtype=torch.float32).square()
+    """``|t|^2`` (along ``dim``, else whole) as float32. The norm accumulates in float32 in
+    every case; a ``dtype=`` argument would first copy the whole tensor to it, so only
+    float16 (whose norm may overflow) takes that copy, and float64 keeps its own precision
+    (``vector_norm`` refuses to narrow); a bfloat16 norm is rounded to bfloat16 (2**-9)."""
+    if t.dtype == torch.float16:
+        return torch.linalg.vector_norm(t, dim=dim, dtype=torch.float32).square()
+    return torch.linalg.vector_norm(t, dim=dim).float().square()
 
 
 def _finite_ema(

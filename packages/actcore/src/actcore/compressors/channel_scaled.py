@@ -44,8 +44,29 @@ _MAX_SCALE = 2.0**20  # a channel is never divided by more (nor by a non-finite 
 
 
 def _channel_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Each channel's largest magnitude (float32, NaN where the channel has one), from two
+    reductions: ``abs()`` first would make a temporary of ``x``'s size."""
     others = [d for d in range(x.dim()) if d != dim]
-    return x.detach().abs().amax(dim=others, keepdim=True).float()
+    x = x.detach()
+    high = x.amax(dim=others, keepdim=True).float()
+    low = x.amin(dim=others, keepdim=True).float()
+    return torch.maximum(high, low.neg_())
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """No element aliases another (an expanded tensor is not written in place)."""
+    return x.is_contiguous() or (
+        x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+    )
+
+
+def _shares_storage(x: torch.Tensor, tensors: Tensors) -> bool:
+    """Whether ``x`` lies in the memory of one of ``tensors`` (an inner compressor that
+    hands back what it stored)."""
+    ptr = x.untyped_storage().data_ptr()
+    return any(
+        isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ptr for t in tensors
+    )
 
 
 def _exponents(amax: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -145,8 +166,12 @@ class ChannelScaled(Compressor):
 
     def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
         inner_meta, count, dim = meta
-        x = self.inner.unpack(tuple(tensors[:count]), inner_meta)
-        x = x * torch.exp2(tensors[count].float()).to(x.dtype)
+        inner = tuple(tensors[:count])
+        x = self.inner.unpack(inner, inner_meta)
+        scale = torch.exp2(tensors[count].float()).to(x.dtype)
+        # in place on a fresh unpacking (no second tensor of x's size); never on a stored one
+        fresh = _dense(x) and not _shares_storage(x, inner)
+        x = x.mul_(scale) if fresh else x * scale
         if self.exact:
             kept, top = tensors[count + 1], tensors[count + 2]
             x = x.index_copy_(dim, top, kept.to(x.dtype))

@@ -34,7 +34,8 @@ class MaskedActivationFunction(torch.autograd.Function):
     def forward(ctx, x, kind, param, inplace, layer):
         if kind == "relu":
             out = torch.relu_(x) if inplace else torch.relu(x)
-            mask = ~(out <= 0)  # as torch's threshold_backward: NaN passes the gradient
+            # as torch's threshold_backward: NaN passes the gradient (one bool map, in place)
+            mask = (out <= 0).logical_not_()
         elif kind == "leaky_relu":
             mask = x > 0
             out = torch.nn.functional.leaky_relu(x, param, inplace=inplace)

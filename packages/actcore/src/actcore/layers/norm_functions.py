@@ -80,6 +80,15 @@ def _norm_input(
     return normalize(x), comp, True
 
 
+def _normalized(x: torch.Tensor, centre: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(x - centre) * scale`` per channel, in ``x``'s dtype, by batch norm's own eval-mode
+    kernel: one tensor of ``x``'s size, where the broadcast arithmetic would make float32
+    temporaries of a half-precision ``x`` (and keep the float32 result: twice the bytes to
+    pack, and a backward that would rebuild ``x`` through two more)."""
+    ones = torch.ones_like(scale)
+    return aten.native_batch_norm(x, scale, None, centre, ones, False, 0.0, 0.0)[0]
+
+
 class BatchNormFunction(torch.autograd.Function):
     """Batch normalization (aten.native_batch_norm and its backward)."""
 
@@ -97,7 +106,7 @@ class BatchNormFunction(torch.autograd.Function):
             else:  # eval statistics: what the backward op uses in that case
                 centre, scale = running_mean, (running_var + eps).rsqrt()
             saved_x, how, ctx.normalized = _norm_input(
-                layer, x, lambda t: (t - _stat_view(centre, t, 1)).mul_(_stat_view(scale, t, 1))
+                layer, x, lambda t: _normalized(t, centre, scale)
             )
             ctx.stats = (centre, scale) if ctx.normalized else None
         stash(

@@ -40,6 +40,7 @@ class MaxPoolFunction(torch.autograd.Function):
         ctx.input_meta = InputMeta(x)
         ctx.out_shape, ctx.bits = out.shape, bits
         offset = _window_offset(index, x.shape[-nd:], *ctx.geometry[:4])
+        del index
         if bits <= 8:
             saved = ops.pack_bits(offset.to(torch.uint8), bits)
         else:
@@ -52,9 +53,9 @@ class MaxPoolFunction(torch.autograd.Function):
         (saved,) = unstash(ctx)
         if ctx.bits <= 8:
             offset = ops.unpack_bits(saved, ctx.bits, math.prod(ctx.out_shape))
-            offset = offset.view(ctx.out_shape).long()
+            offset = offset.view(ctx.out_shape)
         else:
-            offset = saved.long()
+            offset = saved
         kernel, stride, padding, dilation, ceil_mode = ctx.geometry
         nd = len(kernel)
         x_meta = ctx.input_meta.tensor()
@@ -68,7 +69,13 @@ class MaxPoolFunction(torch.autograd.Function):
         return gx, None, None, None, None, None, None
 
 
-def _window_starts(out_shape, stride, padding, device) -> list[torch.Tensor]:
+def _index_dtype(in_spatial) -> torch.dtype:
+    """int32 where a per-plane flat index fits (it always does but for planes over 2**31
+    elements): half the bytes of int64 for the temporaries of the conversions below."""
+    return torch.int32 if math.prod(in_spatial) < 2**31 else torch.int64
+
+
+def _window_starts(out_shape, stride, padding, device, dtype) -> list[torch.Tensor]:
     """Per spatial dim, the (broadcastable) input coordinate where each window starts."""
     nd = len(stride)
     starts = []
@@ -76,40 +83,63 @@ def _window_starts(out_shape, stride, padding, device) -> list[torch.Tensor]:
         size = out_shape[-nd + d]
         view = [1] * nd
         view[d] = size
-        pos = torch.arange(size, device=device) * stride[d] - padding[d]
+        pos = torch.arange(size, device=device, dtype=dtype) * stride[d] - padding[d]
         starts.append(pos.view(view))
     return starts
 
 
-def _digits(value: torch.Tensor, radices) -> list[torch.Tensor]:
-    """``value`` in the mixed radix ``radices`` (most significant first), a tensor a digit."""
-    digits, rest = [], value
-    for radix in reversed(radices):  # peel the least significant digit first
-        digits.append(rest % radix)
-        rest = rest // radix
-    return digits[::-1]
+def _peel(rest: torch.Tensor, radix: int, last: bool) -> torch.Tensor:
+    """The least significant digit of ``rest`` in ``radix``, ``rest`` divided in place;
+    the most significant (``last``) is ``rest`` itself."""
+    if last:
+        return rest
+    digit = rest.remainder(radix)
+    rest.div_(radix, rounding_mode="floor")
+    return digit
 
 
 def _window_offset(index, in_spatial, kernel, stride, padding, dilation) -> torch.Tensor:
-    """Flat input index (per plane) -> offset inside the pooling window."""
+    """Flat input index (per plane, int64) -> offset inside the pooling window.
+
+    Computed in place on one narrow copy of ``index`` (at most one more tensor of its size
+    per spatial dim alive): the argmax of a large input is the largest tensor of the step.
+    """
     nd = len(kernel)
-    starts = _window_starts(index.shape, stride, padding, index.device)
-    offset = torch.zeros_like(index)
-    coords = _digits(index, in_spatial)
-    for d in range(nd):
-        offset = offset * kernel[d] + (coords[d] - starts[d]) // dilation[d]
+    dtype = _index_dtype(in_spatial)
+    starts = _window_starts(index.shape, stride, padding, index.device, dtype)
+    rest = index.to(dtype)  # index itself for huge planes: the caller drops it
+    coords = [torch.empty(0)] * nd
+    for d in reversed(range(nd)):  # input coordinates, the least significant first
+        coord = _peel(rest, in_spatial[d], d == 0).sub_(starts[d])
+        if dilation[d] != 1:
+            coord.div_(dilation[d], rounding_mode="floor")
+        coords[d] = coord
+    offset = coords[0]
+    for d in range(1, nd):
+        offset.mul_(kernel[d]).add_(coords[d])
+        coords[d] = torch.empty(0)
     return offset
 
 
 def _flat_index(offset, in_spatial, kernel, stride, padding, dilation) -> torch.Tensor:
-    """Offset inside the pooling window -> flat input index (per plane)."""
+    """Offset inside the pooling window -> flat input index (per plane, int64)."""
     nd = len(kernel)
-    starts = _window_starts(offset.shape, stride, padding, offset.device)
-    index = torch.zeros_like(offset)
-    within = _digits(offset, kernel)
-    for d in range(nd):
-        index = index * in_spatial[d] + starts[d] + within[d] * dilation[d]
-    return index
+    dtype = _index_dtype(in_spatial)
+    starts = _window_starts(offset.shape, stride, padding, offset.device, dtype)
+    rest = offset.to(dtype, copy=True)  # never the saved tensor itself (retain_graph)
+    index = None
+    for d in reversed(range(nd)):  # window coordinates, the least significant first
+        within = _peel(rest, kernel[d], d == 0)
+        if dilation[d] != 1:
+            within.mul_(dilation[d])
+        within.add_(starts[d])
+        plane_stride = math.prod(in_spatial[d + 1 :])
+        if plane_stride != 1:
+            within.mul_(plane_stride)
+        index = within if index is None else index.add_(within)
+        del within
+    assert index is not None
+    return index.long()
 
 
 class AvgPoolFunction(torch.autograd.Function):

@@ -42,7 +42,7 @@ mode on one thread: module hooks do nothing while ``torch.compile`` traces.
 from __future__ import annotations
 
 from .api import measure, note_outputs, note_saved, track
-from .profiler import profiled_bytes
+from .profiler import profiled_bytes, profiled_peak_bytes
 from .report import OUTSIDE, MemoryReport, format_bytes
 from .tracker import Tracker
 
@@ -55,5 +55,6 @@ __all__ = [
     "note_outputs",
     "note_saved",
     "profiled_bytes",
+    "profiled_peak_bytes",
     "track",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["profiled_bytes"]
+__all__ = ["profiled_bytes", "profiled_peak_bytes"]
 
 
 def profiled_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, int]:
@@ -21,6 +21,32 @@ def profiled_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[A
     is what the forward saved for backward plus its output, minus saved tensors that were
     allocated before the call (such as the input).
     """
+    out, prof = _profiled(fn, args, kwargs)
+    cuda = any(isinstance(a, Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
+    field_name = "self_device_memory_usage" if cuda else "self_cpu_memory_usage"
+    return out, sum(getattr(e, field_name, 0) or 0 for e in prof.events())
+
+
+def profiled_peak_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, int]:
+    """``fn(*args, **kwargs)`` and the most bytes allocated at once during the call beyond
+    what was allocated before it, by the profiler: the running sum of its allocation and
+    free records in time order (on the device of a CUDA argument, else the CPU). What a
+    call's temporaries cost at their peak."""
+    out, prof = _profiled(fn, args, kwargs)
+    cuda = any(isinstance(a, Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
+    records = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and (e.device_type().name == "CUDA") == cuda
+    )
+    now = peak = 0
+    for _, nbytes in records:
+        now += nbytes
+        peak = max(peak, now)
+    return out, peak
+
+
+def _profiled(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
     import gc
 
     from torch.profiler import ProfilerActivity, profile
@@ -30,5 +56,4 @@ def profiled_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[A
     gc.collect()
     with profile(activities=activities, profile_memory=True) as prof:
         out = fn(*args, **kwargs)
-    field_name = "self_device_memory_usage" if cuda else "self_cpu_memory_usage"
-    return out, sum(getattr(e, field_name, 0) or 0 for e in prof.events())
+    return out, prof
