@@ -10,7 +10,8 @@ hangs or runs out of time still leaves the earlier ones::
 Parts, in order: ``env`` (device, driver, torch), ``build`` (the native kernels with
 ninja), ``tests`` (the GPU-marked tests: bit-exactness, opcheck), ``sync`` (host syncs of
 a steady L3 step, under ``torch.cuda.set_sync_debug_mode``), ``kernels`` (quantize and
-dequantize as a share of copy bandwidth), ``resnet`` (ResNet-50, bf16 autocast: step time
+dequantize as a share of copy bandwidth), ``ncu`` (Nsight Compute on those kernels, where
+installed), ``resnet`` (ResNet-50, bf16 autocast: step time
 and peak memory for plain, checkpointing, L2, L3, L4 = L3 + swap), ``llama`` (Llama 4x512,
 bf16 autocast: memory kept for backward and step time for sdpa, checkpointing, ACT,
 checkpointing + ACT), ``profile`` (host against kernel time of an L3 step, top ops),
@@ -50,6 +51,7 @@ PARTS: list[tuple[str, int]] = [
     ("tests", 120),
     ("sync", 45),
     ("kernels", 45),
+    ("ncu", 120),
     ("resnet", 100),
     ("llama", 90),
     ("profile", 60),
@@ -339,6 +341,61 @@ def part_kernels(dry: bool, out: Path) -> dict[str, Any]:
         _write(out / "part-kernels.partial.json", rows)
     worst = min(r["pct_of_copy"] for r in rows if r["op"] != "copy")
     return {"rows": rows, "worst_pct_of_copy": worst}
+
+
+NCU_SECTIONS = (
+    "SpeedOfLight",
+    "Occupancy",
+    "LaunchStats",
+    "WarpStateStats",
+    "MemoryWorkloadAnalysis",
+)
+NCU_KERNELS = "regex:quantize_kernel|dequantize_kernel"
+_NCU_SCRIPT = """
+import torch
+from actcore import ops
+for dtype in (torch.float32, torch.bfloat16):
+    x = torch.randn(1 << 18, 256, device="cuda", dtype=dtype)
+    p = ops.quantize(x, 2, group_size=256, seed=0)
+    ops.dequantize(p)
+    torch.cuda.synchronize()
+"""
+
+
+def part_ncu(dry: bool, out: Path) -> dict[str, Any]:
+    """Nsight Compute on the quantize and dequantize kernels (fp32 and bf16, 64 Mi elements,
+    2 bits): throughput against the memory and compute roofs, occupancy, why warps stall.
+    Skipped (with the reason) where ``ncu`` or a GPU is missing."""
+    import csv
+    import io
+    import shutil
+
+    tool = shutil.which("ncu") or next(
+        (str(p) for p in sorted(Path("/usr/local").glob("cuda*/bin/ncu")) if p.is_file()), None
+    )
+    if dry or tool is None:
+        return {"note": "skipped: " + ("CPU dry run" if dry else "no ncu on this machine")}
+    cmd = [tool, "--csv", "--kernel-name", NCU_KERNELS, "--launch-count", "4"]
+    for section in NCU_SECTIONS:
+        cmd += ["--section", section]
+    cmd += [sys.executable, "-c", _NCU_SCRIPT]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=110)
+    text = done.stdout
+    header = text.find('"ID"')
+    rows = list(csv.DictReader(io.StringIO(text[header:]))) if header >= 0 else []
+    kernels: dict[str, dict[str, str]] = {}
+    for row in rows:
+        key = f"{row.get('ID')} {row.get('Kernel Name', '')[:60]}"
+        unit = row.get("Metric Unit") or ""
+        kernels.setdefault(key, {})[row.get("Metric Name", "?")] = (
+            f"{row.get('Metric Value')} {unit}".strip()
+        )
+    return {
+        "returncode": done.returncode,
+        "kernels": kernels,
+        "output_tail": (done.stdout[-1500:] if not kernels else "") + done.stderr[-1500:],
+        "part_ok": done.returncode == 0 and bool(kernels),
+    }
 
 
 def _resnet(variant: str, device: Any, dry: bool) -> Any:
@@ -636,6 +693,7 @@ PART_FUNCS: dict[str, Callable[[bool, Path], dict[str, Any]]] = {
     "tests": part_tests,
     "sync": part_sync,
     "kernels": part_kernels,
+    "ncu": part_ncu,
     "resnet": part_resnet,
     "llama": part_llama,
     "profile": part_profile,

@@ -25,7 +25,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 namespace actcore_native {
 namespace {
@@ -34,6 +36,7 @@ constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;  // grid-stride loops cover the rest
 constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kDefaultMaxLanes = 8;  // measured on an H100: 2.2x the throughput of 32
 
 __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -78,6 +81,17 @@ struct NoiseStream {
     }
     return mix32(static_cast<uint32_t>(index) ^ key);
   }
+
+  // The key of the block of 2**32 holding `index`: hash(index + t) is then
+  // mix32((uint32_t(index) + t) ^ key) while index + t stays in that block.
+  __device__ __forceinline__ uint32_t key_of(int64_t index) {
+    const int64_t h = index >> 32;
+    if (h != hi) {
+      hi = h;
+      key = block_key(seed, h);
+    }
+    return key;
+  }
 };
 
 // (h >> 8) * 2**-24: exact in float32 and float64.
@@ -98,6 +112,10 @@ __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, 
 __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 __device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
 __device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+__device__ __forceinline__ double fma_rn(double a, double b, double c) {
+  return __fma_rn(a, b, c);
+}
 __device__ __forceinline__ float floor_(float a) { return floorf(a); }
 __device__ __forceinline__ double floor_(double a) { return ::floor(a); }
 
@@ -115,6 +133,60 @@ __device__ __forceinline__ T max_nan(T a, T b) {
   if (isnan(b)) return b;
   return (b > a || (b == a && !signbit(b))) ? b : a;
 }
+
+// Signed-integer keys of float32 in float order: -0 below +0, positive NaNs above +inf and
+// negative NaNs below -inf (integer min/max are one instruction each; min_nan/max_nan take
+// several). The map is its own inverse.
+__device__ __forceinline__ int32_t order_key(float f) {
+  const int32_t b = __float_as_int(f);
+  return b ^ ((b >> 31) & 0x7FFFFFFF);
+}
+__device__ __forceinline__ float from_order_key(int32_t k) {
+  return __int_as_float(k ^ ((k >> 31) & 0x7FFFFFFF));
+}
+
+// A group's minimum and maximum (NaN-propagating, -0 below +0), over the values one lane
+// adds, then over the lanes of its group (merge_lane with xor offsets).
+template <typename T>
+struct Extrema {
+  T mn = T(INFINITY);
+  T mx = T(-INFINITY);
+  __device__ __forceinline__ void add(T v) {
+    mn = min_nan(mn, v);
+    mx = max_nan(mx, v);
+  }
+  __device__ __forceinline__ void merge_lane(int offset) {
+    const T other_mn = __shfl_xor_sync(kFullMask, mn, offset);
+    const T other_mx = __shfl_xor_sync(kFullMask, mx, offset);
+    mn = min_nan(mn, other_mn);
+    mx = max_nan(mx, other_mx);
+  }
+  __device__ __forceinline__ void get(T& lo, T& hi) const {
+    lo = mn;
+    hi = mx;
+  }
+};
+
+// float32 through order_key: integer min and max
+template <>
+struct Extrema<float> {
+  int32_t kmn = INT32_MAX;  // the keys of a positive and a negative NaN: identities here
+  int32_t kmx = INT32_MIN;
+  __device__ __forceinline__ void add(float v) {
+    const int32_t key = order_key(v);
+    kmn = min(kmn, key);
+    kmx = max(kmx, key);
+  }
+  __device__ __forceinline__ void merge_lane(int offset) {
+    kmn = min(kmn, __shfl_xor_sync(kFullMask, kmn, offset));
+    kmx = max(kmx, __shfl_xor_sync(kFullMask, kmx, offset));
+  }
+  __device__ __forceinline__ void get(float& lo, float& hi) const {
+    lo = from_order_key(kmn);
+    hi = from_order_key(kmx);
+    if (isnan(lo) || isnan(hi)) lo = hi = NAN;  // a NaN anywhere: both, as torch
+  }
+};
 
 // bfloat16 rounding toward -inf of a float32 (quantization.round_to_bf16(up=False)):
 // keep the upper half of the bits; a negative inexact value gains one ulp of magnitude.
@@ -286,6 +358,25 @@ __device__ __forceinline__ uint32_t quantize_code(acc_t x, acc_t lo, acc_t step,
   return static_cast<uint32_t>(v);
 }
 
+// The same code without a division, for float32 groups whose step lies in
+// [kFastStepMin, kFastStepMax] (and scale 1): with r = RN(1/step), q0 = RN(a * r) is within
+// one ulp of a / step, the residual a - q0 * step is exact in an FMA, and RN(q0 + residual
+// * r) is RN(a / step) (Markstein's theorem), unless the residual or the quotient
+// underflows. That needs a < 2**-100, hence a quotient below 2**-40, where both give code
+// 0: q + u stays below 1 for every u. The clamp's fmaxf maps a NaN to 0, as above.
+constexpr float kFastStepMin = 0x1p-60f;
+constexpr float kFastStepMax = 0x1p60f;
+
+template <typename acc_t>
+__device__ __forceinline__ uint32_t quantize_code_fast(acc_t x, acc_t lo, acc_t step, acc_t r,
+                                                       acc_t u, acc_t levels) {
+  const acc_t a = sub_rn(x, lo);
+  const acc_t q0 = mul_rn(a, r);
+  const acc_t q = fma_rn(fma_rn(-q0, step, a), r, q0);
+  const acc_t v = floor_(add_rn(q, u));
+  return static_cast<uint32_t>(fmin(fmax(v, acc_t(0)), levels));
+}
+
 // One group per `lanes` lanes of a warp (a power of two <= 32; 32 / lanes groups per
 // warp); each lane takes blocks of 8 elements of its group. Min and max come from the
 // values the lane holds in registers, reduced with warp shuffles, and the same registers
@@ -295,6 +386,7 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     quantize_kernel(const QuantizeArgs a, const int lanes, const bool vec) {
   using acc_t = typename Compute<scalar_t>::type;
+  constexpr bool kFloat = std::is_same<acc_t, float>::value;
   const scalar_t* __restrict__ x = static_cast<const scalar_t*>(a.x);
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int slot = lane / lanes;
@@ -319,23 +411,19 @@ __global__ void __launch_bounds__(kThreads)
     const scalar_t* xg = x + row * a.cols + col0;
 
     acc_t v[8];
-    acc_t mn = acc_t(INFINITY);
-    acc_t mx = acc_t(-INFINITY);
+    Extrema<acc_t> range;
     for (int64_t k = l; k < nblocks; k += lanes) {
       const int valid = static_cast<int>(imin(8, ncols - 8 * k));
       load8(xg + 8 * k, valid, vec, v);
 #pragma unroll
       for (int t = 0; t < 8; ++t) {
-        if (t < valid) {
-          mn = min_nan(mn, v[t]);
-          mx = max_nan(mx, v[t]);
-        }
+        if (t < valid) range.add(v[t]);
       }
     }
-    for (int offset = lanes / 2; offset > 0; offset /= 2) {
-      mn = min_nan(mn, __shfl_xor_sync(kFullMask, mn, offset));
-      mx = max_nan(mx, __shfl_xor_sync(kFullMask, mx, offset));
-    }
+    for (int offset = lanes / 2; offset > 0; offset /= 2) range.merge_lane(offset);
+    acc_t mn;
+    acc_t mx;
+    range.get(mn, mx);
     if (!active) continue;  // no shuffle below: lanes may diverge
 
     uint16_t lo_bits;
@@ -354,20 +442,45 @@ __global__ void __launch_bounds__(kThreads)
     }
 
     const bool in_registers = nblocks <= lanes;
+    // the division-free path (scale is 1 there: a span that overflows has a larger step)
+    bool fast = false;
+    acc_t r = acc_t(0);
+    if constexpr (kFloat) {
+      fast = step >= acc_t(kFastStepMin) && step <= acc_t(kFastStepMax);
+      r = __frcp_rn(step);
+    }
     uint8_t* out = a.payload + row * row_bytes + col0 / 8 * a.bits;
     for (int64_t k = l; k < nblocks; k += lanes) {
       const int valid = static_cast<int>(imin(8, ncols - 8 * k));
       if (!in_registers) load8(xg + 8 * k, valid, vec, v);
       const int64_t index0 = row * a.cols + col0 + 8 * k;
+      uint32_t code[8];
+      if (fast) {
+        // the 8 indices share their upper 32 bits unless the block crosses 2**32
+        const bool narrow = (index0 >> 32) == ((index0 + 7) >> 32);
+        const uint32_t key = noise.key_of(index0);
+        const uint32_t low = static_cast<uint32_t>(index0);
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+          acc_t u = half;
+          if (a.stochastic) {
+            const uint32_t h = narrow ? mix32((low + t) ^ key) : noise.hash(index0 + t);
+            uniform(h, u);
+          }
+          code[t] = quantize_code_fast(v[t], lo, step, r, u, levels);
+        }
+      } else {
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+          acc_t u = half;
+          if (a.stochastic && t < valid) uniform(noise.hash(index0 + t), u);
+          code[t] = quantize_code(mul_rn(v[t], scale), lo, step, u, levels);
+        }
+      }
       uint64_t codes = 0;  // code t in byte t; codes past the row's end stay 0
 #pragma unroll
       for (int t = 0; t < 8; ++t) {
-        if (t < valid) {
-          acc_t u = half;
-          if (a.stochastic) uniform(noise.hash(index0 + t), u);
-          const acc_t x = mul_rn(v[t], scale);
-          codes |= static_cast<uint64_t>(quantize_code(x, lo, step, u, levels)) << (8 * t);
-        }
+        if (t < valid) codes |= static_cast<uint64_t>(code[t]) << (8 * t);
       }
       uint8_t* o = out + k * a.bits;
       for (int j = 0; j < a.bits; ++j) o[j] = gather_plane(codes, j);
@@ -555,11 +668,25 @@ int64_t grid_for(int64_t threads_needed) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// The most lanes of a warp that share one group: fewer lanes share the per-group work
+// (reduction, metadata, reciprocal) among more groups per warp instruction, at the cost of
+// a second read of the group (from cache). ACTCORE_QUANTIZE_MAX_LANES (a power of two,
+// 1 to 32) overrides it, for tuning on a new device.
+int max_lanes() {
+  static const int value = [] {
+    const char* env = std::getenv("ACTCORE_QUANTIZE_MAX_LANES");
+    const int v = env ? std::atoi(env) : 0;
+    return (v >= 1 && v <= 32 && (v & (v - 1)) == 0) ? v : kDefaultMaxLanes;
+  }();
+  return value;
+}
+
 template <typename scalar_t>
 cudaError_t quantize_typed(const QuantizeArgs& a, cudaStream_t stream) {
   const int64_t blocks_per_group = a.group_size / 8;
+  const int cap = max_lanes();
   int lanes = 1;
-  while (lanes < blocks_per_group && lanes < 32) lanes *= 2;
+  while (lanes < blocks_per_group && lanes < cap) lanes *= 2;
   const int64_t groups = a.rows * ((a.cols + a.group_size - 1) / a.group_size);
   const int64_t warps = (groups + 32 / lanes - 1) / (32 / lanes);
   // Blocks of 8 elements start on 8-element boundaries of the flat tensor.

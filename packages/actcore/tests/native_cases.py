@@ -48,6 +48,11 @@ def bit_exact_inputs(dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
         ("tall", randn(257, 9)),
         ("row-of-8", randn(5, 64)),
         ("tiny-values", randn(4, 100, scale=1e-30 if dtype == torch.float64 else 1e-3)),
+        # float32 steps on both sides of the kernels' division-free range [2**-60, 2**60]
+        ("steps-near-2**-60", randn(4, 300, scale=3e-17)),
+        ("steps-below-2**-60", randn(4, 300, scale=1e-19)),
+        ("steps-near-2**60", randn(4, 300, scale=4e19)),
+        ("steps-above-2**60", randn(4, 300, scale=1e22)),
         ("constant", torch.full((3, 50), 0.1, dtype=dtype)),
         ("zeros", torch.zeros(2, 40, dtype=dtype)),
         ("negative-zeros", torch.full((2, 40), -0.0, dtype=dtype)),

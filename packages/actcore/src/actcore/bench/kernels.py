@@ -60,7 +60,8 @@ def run(
     rows: list[dict[str, Any]],
     advance: Callable[..., None] = lambda *a, **k: None,
 ) -> None:
-    """Append rows (copy, then quantize and dequantize per bits) for each size."""
+    """Append rows (copy, then quantize, dequantize and nearest-rounding quantize per bits)
+    for each size."""
     device = torch.device(cfg.device)
     dtype = DTYPES[cfg.dtype]
     for n in cfg.sizes:
@@ -90,7 +91,12 @@ def run(
                 cfg.iters,
             )
             td = time_cuda(lambda p=packed: ops.dequantize(p), cfg.iters)
-            for op, t in (("quantize", tq), ("dequantize", td)):
+            # round to nearest: the same kernel without the per-element noise hash
+            tn = time_cuda(
+                lambda x=x, b=bits: ops.quantize(x, b, group_size=cfg.group_size, stochastic=False),
+                cfg.iters,
+            )
+            for op, t in (("quantize", tq), ("dequantize", td), ("quantize-nearest", tn)):
                 rows.append(
                     {
                         **base,
