@@ -42,6 +42,10 @@ class _Recording(Compressor):
     def lossy(self) -> bool:  # type: ignore[override]
         return self.inner.lossy
 
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        return self.inner.unbiased
+
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         tensors, meta = self.inner.pack(x)
         with torch.no_grad():

@@ -473,7 +473,8 @@ class FunctionalRouter:
             and not kwargs
             and self.spec.conv_bits is not None
         ):
-            derive_from(out, torch.mul, args)
+            # bilinear: affine in each operand when they are two tensors (x * x is not)
+            derive_from(out, torch.mul, args, affine=args[0] is not args[1])
 
     @staticmethod
     def routes(func: Any) -> bool:

@@ -283,11 +283,11 @@ def stash(
     return parts
 
 
-def derive_output(ctx: Any, fn: Any, parts: Sequence[Part | None]) -> None:
+def derive_output(ctx: Any, fn: Any, parts: Sequence[Part | None], affine: bool = False) -> None:
     """In an autograd function's forward: its output is ``fn(*restored parts)`` (None parts
-    stand for None arguments); recorded on the output by :func:`note_output` once ``apply``
-    has returned it."""
-    ctx.act_derive = (fn, tuple(parts))
+    stand for None arguments; ``affine``: ``fn`` is affine in each part); recorded on the
+    output by :func:`note_output` once ``apply`` has returned it."""
+    ctx.act_derive = (fn, tuple(parts), affine)
 
 
 def note_output(out: Any) -> Any:
@@ -398,9 +398,10 @@ def note_kept(x: torch.Tensor) -> None:
     _records.setdefault(x)[_KEPT] = True
 
 
-def derive(out: torch.Tensor, fn: Any, parts: Sequence[Part | None]) -> None:
+def derive(out: torch.Tensor, fn: Any, parts: Sequence[Part | None], affine: bool = False) -> None:
     """Record that ``out`` is ``fn(*restored parts)`` (a None part is passed as None; parts
-    are held weakly: this never extends their life).
+    are held weakly: this never extends their life). ``affine``: ``fn`` is affine in each
+    part, so the restored ``out`` is unbiased where its parts are (:class:`Derived`).
 
     A later save of ``out`` (a Q-layer's stash, the saved-tensor hooks) keeps a reference to
     these packings instead of a copy of its own: normalization and activation outputs,
@@ -412,11 +413,12 @@ def derive(out: torch.Tensor, fn: Any, parts: Sequence[Part | None]) -> None:
             None if part is None else (part[0], tuple(weakref.ref(t) for t in part[1]), part[2])
             for part in parts
         ),
+        affine,
     )
     _records.setdefault(out)[_DERIVED] = entry
 
 
-def derive_from(out: torch.Tensor, fn: Any, sources: Sequence[Any]) -> bool:
+def derive_from(out: torch.Tensor, fn: Any, sources: Sequence[Any], affine: bool = False) -> bool:
     """:func:`derive` ``out = fn(*sources)`` if every tensor source can be restored (non-tensor
     sources are constants); returns whether it could."""
     parts: list[Part] = []
@@ -431,14 +433,14 @@ def derive_from(out: torch.Tensor, fn: Any, sources: Sequence[Any]) -> bool:
         else:
             constants.append(src)
     if all(c is None for c in constants):
-        derive(out, fn, parts)
+        derive(out, fn, parts, affine)
         return True
 
     def with_constants(*restored: torch.Tensor, _fn=fn, _constants=tuple(constants)):
         it = iter(restored)
         return _fn(*(next(it) if c is None else c for c in _constants))
 
-    derive(out, with_constants, parts)
+    derive(out, with_constants, parts, affine)
     return True
 
 
@@ -446,7 +448,7 @@ def _derived(record: dict) -> Part | None:
     entry = record.get(_DERIVED)
     if entry is None:
         return None
-    fn, parts = entry
+    fn, parts, affine = entry
     comps, tensors, metas, counts = [], [], [], []
     for part in parts:
         if part is None:
@@ -462,7 +464,8 @@ def _derived(record: dict) -> Part | None:
         tensors.extend(held)
         metas.append(meta)
         counts.append(len(held))
-    return Derived(fn, tuple(comps)), tuple(tensors), (tuple(metas), tuple(counts))
+    derived = Derived(fn, tuple(comps), affine)
+    return derived, tuple(tensors), (tuple(metas), tuple(counts))
 
 
 def mask_of(x: torch.Tensor) -> torch.Tensor | None:

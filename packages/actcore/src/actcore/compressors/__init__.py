@@ -3,8 +3,8 @@
 A compressor's ``pack(x)`` returns ``(tensors, meta)``: the tensors go through
 ``ctx.save_for_backward`` (so autograd's in-place checks, saved-tensor hooks and memory
 accounting all see them), ``meta`` is small Python data. ``unpack(tensors, meta)`` rebuilds
-the tensor. Both routes (Q-layers and saved-tensor hooks) use these same objects; each
-lives in a module of its own:
+the tensor, and ``unbiased`` says whether ``E[unpack(pack(x))] == x``. Both routes
+(Q-layers and saved-tensor hooks) use these same objects; each lives in a module of its own:
 
 * :mod:`~actcore.compressors.base`: the protocol (:class:`Compressor`) and ``IDENTITY``;
 * :mod:`~actcore.compressors.quantize`: :class:`Quantize`, per-group k-bit quantization;

@@ -22,6 +22,9 @@ class Compressor:
 
     name = "identity"
     lossy = False  # whether unpack(pack(x)) may differ from x
+    # whether E[unpack(pack(x))] == x: a gradient linear in the saved tensor (a weight's,
+    # a mask's) is then unbiased; exact compressors are trivially
+    unbiased = True
 
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         return (x,), None

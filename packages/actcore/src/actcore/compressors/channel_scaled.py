@@ -149,6 +149,10 @@ class ChannelScaled(Compressor):
     def lossy(self) -> bool:  # type: ignore[override]
         return self.inner.lossy
 
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        return self.inner.unbiased
+
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         dim = self.dim % x.dim()
         amax = _channel_amax(x, dim)

@@ -27,8 +27,17 @@ class Derived(Compressor):
 
     fn: Callable[..., torch.Tensor]
     parts: tuple[Compressor | None, ...]  # None: a None argument of fn
+    # fn is affine in each part (a norm's affine output, a dropout's mask times its input):
+    # then E[fn(restored)] == fn(parts) when the parts are unbiased and independent
+    affine: bool = False
     name = "derived"
     lossy = True
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        """Unbiased parts through an affine ``fn``; a curved ``fn`` (a smooth activation
+        rebuilt from its rounded input) is not: ``E[f(q(x))] != f(x)``."""
+        return self.affine and all(c is None or c.unbiased for c in self.parts)
 
     def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
         metas, counts = meta

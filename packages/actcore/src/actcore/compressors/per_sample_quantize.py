@@ -55,6 +55,10 @@ class PerSampleQuantize(Compressor):
     name = "per_sample_quantize"
     lossy = True
 
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        return self.stochastic
+
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         if sum(c for _, c in self.counts) != x.shape[0]:
             raise ValueError(f"counts {self.counts} do not cover a batch of {x.shape[0]}")

@@ -24,6 +24,11 @@ class Quantize(Compressor):
     name = "quantize"
     lossy = True
 
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        """Stochastic rounding is unbiased; rounding to nearest is not."""
+        return self.stochastic
+
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         p = ops.quantize(
             x,

@@ -34,6 +34,10 @@ class Recorded(Compressor):
     def lossy(self) -> bool:  # type: ignore[override]
         return self.inner.lossy
 
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        return self.inner.unbiased
+
     def pack(self, x: Any) -> tuple[Any, Any]:
         tensors, meta = self.inner.pack(x)
         stats = self.recorder.stats

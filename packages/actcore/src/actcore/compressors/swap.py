@@ -126,6 +126,10 @@ class Swap(Compressor):
     def lossy(self) -> bool:  # type: ignore[override]
         return self.inner.lossy
 
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        return self.inner.unbiased
+
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         tensors, meta = self.inner.pack(x)
         if x.device.type != "cuda":

@@ -33,6 +33,11 @@ class ZeroValue(Compressor):
     name = "zero_value"
     lossy = True
 
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        """The zeros are exact; the values as ``inner``."""
+        return self.inner.unbiased
+
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         q = self.inner
         if isinstance(q, Quantize) and not q.per_sample:

@@ -121,7 +121,7 @@ class DropoutFunction(torch.autograd.Function):
             def dropped(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
                 return x * ops.unpack_mask(mask, shape).to(x.dtype) * scale
 
-            derive_output(ctx, dropped, [part, (IDENTITY, (packed,), None)])
+            derive_output(ctx, dropped, [part, (IDENTITY, (packed,), None)], affine=True)
         return out
 
     @staticmethod

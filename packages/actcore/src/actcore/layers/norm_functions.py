@@ -261,7 +261,7 @@ class LayerNormFunction(torch.autograd.Function):
         saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: (t - mean) * rstd, ROW_NORM)
         parts = _stash_affine_norm(ctx, layer, saved_x, how, weight, bias, mean, rstd)
         if ctx.normalized and not torch.compiler.is_compiling():  # (see _affine_output)
-            derive_output(ctx, _affine_output(out.dtype), parts[:3])
+            derive_output(ctx, _affine_output(out.dtype), parts[:3], affine=True)
         return out
 
     @staticmethod
@@ -295,7 +295,7 @@ class GroupNormFunction(torch.autograd.Function):
         saved_x, how, ctx.normalized = _norm_input(layer, x, normalize, ROW_NORM)
         parts = _stash_affine_norm(ctx, layer, saved_x, how, weight, bias, mean, rstd)
         if ctx.normalized and out.is_contiguous() and not torch.compiler.is_compiling():
-            derive_output(ctx, _affine_output(out.dtype, per_channel=True), parts[:3])
+            derive_output(ctx, _affine_output(out.dtype, per_channel=True), parts[:3], affine=True)
         return out
 
     @staticmethod
@@ -361,7 +361,7 @@ class RMSNormFunction(torch.autograd.Function):
         saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: t.float() * rstd, ROW_NORM)
         parts = stash(ctx, layer, [(saved_x, how), (weight, IDENTITY), (rstd, IDENTITY)])
         if ctx.normalized and not torch.compiler.is_compiling():  # (see _affine_output)
-            derive_output(ctx, _affine_output(out.dtype), [*parts[:2], None])
+            derive_output(ctx, _affine_output(out.dtype), [*parts[:2], None], affine=True)
         return out
 
     @staticmethod
