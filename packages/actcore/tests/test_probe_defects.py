@@ -6,6 +6,7 @@ import json
 import math
 import os
 import stat
+import warnings
 
 import pytest
 import torch
@@ -74,3 +75,31 @@ def test_both_routes_refuse_a_non_finite_error_bound() -> None:
         actcore.Controller(nn.Linear(4, 4), "L2", policy="acgc", error_bound=float("nan"))
     with pytest.raises(ValueError, match="finite positive number, got inf"):
         actcore.convert(nn.Linear(4, 4), policy="acgc", error_bound=float("inf"))
+
+
+# ---------------------------------------------------------------- 6: exclude by any name
+class _Aliased(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.alias = self.a  # the same module under a second name
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.alias(x))
+
+
+def test_exclude_by_an_alias_leaves_the_module() -> None:
+    model = _Aliased()
+    actcore.convert(model, exclude=["alias"])
+    assert type(model.a) is nn.Linear and model.alias is model.a
+    assert type(model.b) is not nn.Linear  # converted
+    assert model.act_report.left == {"a": "excluded (as alias)"}
+
+
+def test_an_exclude_pattern_that_matches_nothing_warns() -> None:
+    with pytest.warns(UserWarning, match=r"exclude pattern 'nope\*' matches no module"):
+        actcore.convert(_Aliased(), exclude=["nope*"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        actcore.convert(_Aliased(), exclude=["b", nn.Linear])  # each matches: no warning

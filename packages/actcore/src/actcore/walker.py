@@ -102,7 +102,11 @@ def walk(
     to ``on_excluded``. Every other module goes to the ``converters`` in order; the first
     that answers (not None) decides. A :class:`Left` with ``warn`` also warns.
     """
-    reason_of = exclude if callable(exclude) else _rules_reason(check_exclude(exclude))
+    rules = () if callable(exclude) else check_exclude(exclude)
+    reason_of = exclude if callable(exclude) else _rules_reason(rules)
+    aliases: dict[int, list[str]] = {}  # a module reachable under several names: all of them
+    for alias, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(alias)
     done = Walk()
     for name, module in model.named_modules():
         outer = next((n for n in done.excluded if n == "" or name.startswith(f"{n}.")), None)
@@ -110,6 +114,10 @@ def walk(
             done.left[name] = inside(outer, done.left[outer])
         else:
             why = reason_of(name, module)
+            for alias in aliases[id(module)] if why is None else ():
+                if (found := reason_of(alias, module)) is not None:
+                    why = f"{found} (as {alias})"
+                    break
             if why is None:
                 _decide(name, module, converters, done)
                 continue
@@ -117,7 +125,26 @@ def walk(
             done.left[name] = why
         if on_excluded is not None:
             on_excluded(name, module)
+    _warn_unmatched(rules, aliases, model)
     return done
+
+
+def _warn_unmatched(
+    rules: tuple[Exclude, ...], aliases: dict[int, list[str]], model: nn.Module
+) -> None:
+    """Warn about each name pattern of ``exclude`` that names no module (a typo excludes
+    nothing, silently, otherwise)."""
+    names = [n for group in aliases.values() for n in group if n]
+    for rule in rules:
+        if isinstance(rule, str) and not any(
+            fnmatch.fnmatchcase(n, rule) or n == rule for n in names
+        ):
+            some = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+            warnings.warn(
+                f"exclude pattern {rule!r} matches no module of {type(model).__name__} "
+                f"(its modules: {some})",
+                stacklevel=4,
+            )
 
 
 def _decide(name: str, module: nn.Module, converters: Sequence[Converter], done: Walk) -> None:
