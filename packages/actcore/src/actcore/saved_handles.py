@@ -20,12 +20,20 @@ from torch import Tensor, nn
 from . import ops
 from .compressors import Compressor
 
-__all__ = ["INPLACE_MSG", "Handle", "Stored", "canonical", "is_param_like", "storage_ptr"]
+__all__ = [
+    "INPLACE_MSG",
+    "Handle",
+    "Stored",
+    "canonical",
+    "check_version",
+    "is_param_like",
+    "storage_ptr",
+]
 
 INPLACE_MSG = (
     "one of the variables needed for gradient computation has been modified by an inplace "
     "operation: [{kind} {shape}] is at version {now}; expected version {then} instead. (Seen "
-    "by actcore's saved-tensor compression hooks; enable anomaly detection with "
+    "by actcore, which kept a compressed copy of it; enable anomaly detection with "
     "torch.autograd.set_detect_anomaly(True) to find the operation that modified it.)"
 )
 
@@ -50,7 +58,8 @@ class Stored:
         return out
 
 
-def _check_version(t: Tensor, version: int) -> None:
+def check_version(t: Tensor, version: int) -> None:
+    """Autograd's error if ``t`` changed in place since it was at ``version``."""
     if t._version != version:
         raise RuntimeError(
             INPLACE_MSG.format(kind=t.type(), shape=list(t.shape), now=t._version, then=version)
@@ -114,12 +123,12 @@ class Handle:
     def restore(self) -> Tensor:
         """The saved tensor, rebuilt; RuntimeError if it was changed in place since."""
         if self.tensor is not None:
-            _check_version(self.tensor, self.version)
+            check_version(self.tensor, self.version)
             return self.tensor
         if self.ref is not None:
             src = self.ref()
             if src is not None:
-                _check_version(src, self.version)
+                check_version(src, self.version)
         assert self.stored is not None and self.perm_shape is not None
         assert self.inv_perm is not None
         with torch.no_grad():

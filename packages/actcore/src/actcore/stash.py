@@ -20,6 +20,7 @@ import torch
 from .compressors import IDENTITY, Compressor, Derived, Quantize, Swap, Tensors, ZeroValue
 from .compressors.channel_scaled import scaled
 from .config import LevelSpec, config
+from .saved_handles import check_version
 
 __all__ = [
     "ACTIVATION",
@@ -258,10 +259,19 @@ def observe(
 
 
 def stash(
-    ctx: Any, layer: Any, items: Sequence[tuple[torch.Tensor | None, str | Compressor]]
+    ctx: Any,
+    layer: Any,
+    items: Sequence[tuple[torch.Tensor | None, str | Compressor]],
+    watch: Sequence[torch.Tensor] = (),
 ) -> list[Part | None]:
     """Pack and save ``items`` (tensor, role or compressor) on ``ctx`` for :func:`unstash`;
-    returns each item's packing (None for a None item)."""
+    returns each item's packing (None for a None item).
+
+    One rule for in-place changes, whatever a tensor's size: a packed item, and each tensor
+    of ``watch`` (the input an item was computed from, such as a norm's input for its
+    normalized copy), that is changed in place and still alive at backward raises autograd's
+    error in :func:`unstash`, as it does for a tensor kept as it is.
+    """
     tensors: list[torch.Tensor] = []
     plan: list[tuple[int, Compressor | None, Any]] = []
     parts: list[Part | None] = []
@@ -280,6 +290,8 @@ def stash(
     ctx.save_for_backward(*tensors)
     ctx.act_plan = plan
     ctx.act_layer = layer
+    copied = [x for (x, _), (_, comp, _) in zip(items, plan, strict=True) if comp is not IDENTITY]
+    ctx.act_versions = [(weakref.ref(t), t._version) for t in (*copied, *watch) if t is not None]
     return parts
 
 
@@ -475,7 +487,12 @@ def mask_of(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def unstash(ctx: Any) -> list[torch.Tensor | None]:
-    """The tensors :func:`stash` saved, rebuilt (decompressed) in order."""
+    """The tensors :func:`stash` saved, rebuilt (decompressed) in order; autograd's error
+    if a packed or watched tensor was changed in place since (see :func:`stash`)."""
+    for ref, version in getattr(ctx, "act_versions", ()):
+        source = ref()
+        if source is not None:
+            check_version(source, version)
     saved = ctx.saved_tensors
     out: list[torch.Tensor | None] = []
     i = 0

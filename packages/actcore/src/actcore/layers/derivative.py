@@ -46,7 +46,7 @@ class DerivativeFunction(torch.autograd.Function):
             leaf = x.detach().requires_grad_()
             out = forward(leaf)
             (derivative,) = torch.autograd.grad(out, leaf, torch.ones_like(out))
-        stash(ctx, layer, [(derivative, DERIVATIVE)])
+        stash(ctx, layer, [(derivative, DERIVATIVE)], watch=(x,))
         return out.detach()
 
     @staticmethod

@@ -63,6 +63,12 @@ def _affine_output(dtype: torch.dtype, per_channel: bool = False):
     return affine
 
 
+def _copied_from(x: torch.Tensor, saved: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """``(x,)`` where what is saved is a tensor computed from ``x`` (its normalized copy), so
+    an in-place change of ``x`` raises at backward as for ``x`` itself (see ``stash``)."""
+    return (x,) if saved is not None and saved is not x else ()
+
+
 def _norm_input(
     layer: Any, x: torch.Tensor, normalize, role: str = NORM
 ) -> tuple[torch.Tensor, Compressor | str, bool]:
@@ -120,6 +126,7 @@ class BatchNormFunction(torch.autograd.Function):
                 (mean, IDENTITY),
                 (invstd, IDENTITY),
             ],
+            watch=_copied_from(x, saved_x),
         )
         return out
 
@@ -199,7 +206,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
             layer, x, lambda t: (t - _stat_view(mean, t, 1)) * _stat_view(invstd, t, 1)
         )
         stash(
-            ctx, layer, [(saved_x, how), (weight, IDENTITY), (mean, IDENTITY), (invstd, IDENTITY)]
+            ctx,
+            layer,
+            [(saved_x, how), (weight, IDENTITY), (mean, IDENTITY), (invstd, IDENTITY)],
+            watch=_copied_from(x, saved_x),
         )
         return out
 
@@ -238,6 +248,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
 def _stash_affine_norm(
     ctx: Any,
     layer: Any,
+    x: torch.Tensor,
     saved_x: torch.Tensor,
     how: Compressor | str,
     weight: torch.Tensor | None,
@@ -248,7 +259,7 @@ def _stash_affine_norm(
     """What layer and group norm keep: the input (as :func:`_norm_input` chose), the affine
     parameters and the per-row statistics, exact."""
     items = [(saved_x, how), (weight, IDENTITY), (bias, IDENTITY), (mean, IDENTITY)]
-    return stash(ctx, layer, [*items, (rstd, IDENTITY)])
+    return stash(ctx, layer, [*items, (rstd, IDENTITY)], watch=_copied_from(x, saved_x))
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -259,7 +270,7 @@ class LayerNormFunction(torch.autograd.Function):
         out, mean, rstd = aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
         ctx.normalized_shape, ctx.dtype = normalized_shape, x.dtype
         saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: (t - mean) * rstd, ROW_NORM)
-        parts = _stash_affine_norm(ctx, layer, saved_x, how, weight, bias, mean, rstd)
+        parts = _stash_affine_norm(ctx, layer, x, saved_x, how, weight, bias, mean, rstd)
         if ctx.normalized and not torch.compiler.is_compiling():  # (see _affine_output)
             derive_output(ctx, _affine_output(out.dtype), parts[:3], affine=True)
         return out
@@ -293,7 +304,7 @@ class GroupNormFunction(torch.autograd.Function):
             return ((grouped - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).view(t.shape)
 
         saved_x, how, ctx.normalized = _norm_input(layer, x, normalize, ROW_NORM)
-        parts = _stash_affine_norm(ctx, layer, saved_x, how, weight, bias, mean, rstd)
+        parts = _stash_affine_norm(ctx, layer, x, saved_x, how, weight, bias, mean, rstd)
         if ctx.normalized and out.is_contiguous() and not torch.compiler.is_compiling():
             derive_output(ctx, _affine_output(out.dtype, per_channel=True), parts[:3], affine=True)
         return out
@@ -359,7 +370,12 @@ class RMSNormFunction(torch.autograd.Function):
         rstd = xf.square().mean(dims, keepdim=True).add_(eps_value).rsqrt_()
         ctx.dims, ctx.dtype, ctx.eps = dims, x.dtype, eps_value
         saved_x, how, ctx.normalized = _norm_input(layer, x, lambda t: t.float() * rstd, ROW_NORM)
-        parts = stash(ctx, layer, [(saved_x, how), (weight, IDENTITY), (rstd, IDENTITY)])
+        parts = stash(
+            ctx,
+            layer,
+            [(saved_x, how), (weight, IDENTITY), (rstd, IDENTITY)],
+            watch=_copied_from(x, saved_x),
+        )
         if ctx.normalized and not torch.compiler.is_compiling():  # (see _affine_output)
             derive_output(ctx, _affine_output(out.dtype), [*parts[:2], None], affine=True)
         return out

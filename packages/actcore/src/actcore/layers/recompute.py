@@ -82,7 +82,7 @@ class RecomputeFunction(torch.autograd.Function):
         if normalize and comp.lossy:  # the error is then relative to each row's own scale
             rstd = x.float().square().mean(-1, keepdim=True)
             rstd = rstd.clamp_min_(torch.finfo(torch.float32).tiny).rsqrt_()
-            parts = stash(ctx, layer, [(x.float() * rstd, comp), (rstd, IDENTITY)])
+            parts = stash(ctx, layer, [(x.float() * rstd, comp), (rstd, IDENTITY)], watch=(x,))
 
             def output(x_hat: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
                 with replayed(state):
