@@ -103,3 +103,101 @@ def test_an_exclude_pattern_that_matches_nothing_warns() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         actcore.convert(_Aliased(), exclude=["b", nn.Linear])  # each matches: no warning
+
+
+# ---------------------------------------------------------------- 10: one in-place rule
+_LAYERS = {
+    "linear": (lambda c: nn.Linear(c, 8), lambda n, c: (n, c)),
+    "conv": (lambda c: nn.Conv2d(c, 4, 3), lambda n, c: (n, c, 6, 6)),
+    "batch_norm": (lambda c: nn.BatchNorm2d(c), lambda n, c: (n, c, 6, 6)),
+    "layer_norm": (lambda c: nn.LayerNorm(c), lambda n, c: (n, c)),
+    "gelu": (lambda c: nn.Sequential(nn.Linear(c, c), nn.GELU(), nn.Linear(c, 2)), None),
+}
+
+
+@pytest.mark.parametrize("level", ["L2", "L3"])
+@pytest.mark.parametrize("kind", sorted(_LAYERS))
+@pytest.mark.parametrize("numel", [96, 8192], ids=["small", "large"])
+def test_an_inplace_change_of_a_saved_input_raises_at_every_size(
+    level: str, kind: str, numel: int
+) -> None:
+    torch.manual_seed(0)
+    make, shape = _LAYERS[kind]
+    channels = 16 if kind != "gelu" else 32
+    model = actcore.convert(nn.Sequential(make(channels)), level=level)
+    if kind == "gelu":  # the GELU's input: the first linear's output
+        x = torch.randn(numel // channels, channels, requires_grad=True)
+        hidden = model[0][0](x)
+        out = model[0][2](model[0][1](hidden))
+        changed = hidden
+    else:
+        dims = shape(1, channels)
+        per_sample = math.prod(dims)
+        x = torch.randn(shape(max(1, numel // per_sample), channels), requires_grad=True)
+        changed = x.clone()
+        out = model(changed)
+    with torch.no_grad():
+        changed.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("level", ["L2", "L3"])
+def test_no_inplace_change_no_error_and_a_freed_input_is_fine(level: str) -> None:
+    torch.manual_seed(0)
+    model = actcore.convert(
+        nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(inplace=True)), level=level
+    )
+    model(torch.randn(4, 3, 20, 20)).sum().backward()  # input freed after the forward
+    x = torch.randn(4, 3, 20, 20, requires_grad=True)
+    model(x).sum().backward()
+    assert x.grad is not None
+
+
+# ---------------------------------------------------------------- 11: a forward that raises
+class _Fails(nn.Module):
+    """Conv, BN, ReLU, then a linear; raises after the convolutional part when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+        self.head = nn.Linear(8 * 14 * 14, 4)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.features(x)
+        if self.fail:
+            raise ValueError("a bad batch")
+        return self.head(h.flatten(1))
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_forward_that_raises_takes_no_seeds_and_no_statistics() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 16, 16)
+    clean, failing = _Fails(), _Fails()
+    failing.load_state_dict(clean.state_dict())
+    actcore.convert(clean, level="L3", seed=7)
+    actcore.convert(failing, level="L3", seed=7)
+    _step(clean, x), _step(failing, x)
+    stats = failing.act_adaptive.layers
+    before = {
+        n: (s.profile.clone(), s.elems.clone()) for n, s in stats.items() if s.profile is not None
+    }
+    count = failing.act_rng.count
+    assert before and count > 0
+    failing.fail = True
+    with pytest.raises(ValueError, match="a bad batch"):
+        failing(x)
+    failing.fail = False
+    assert failing.act_rng.count == count
+    for name, (profile, elems) in before.items():
+        assert torch.equal(stats[name].profile, profile) and torch.equal(stats[name].elems, elems)
+    # the next step is the one the model without the failure takes, bit for bit
+    for a, b in zip(_step(clean, x), _step(failing, x), strict=True):
+        assert torch.equal(a, b)

@@ -100,6 +100,7 @@ from .compressors import (
     sample_range_weights,
 )
 from .config import config
+from .rng import forward_raised
 from .stash import CONV, NORM, ROW_NORM, batch_norm_bits, layer_spec, records, role_bits
 
 __all__ = ["AdaptiveBits", "ScoredPerSampleQuantize"]
@@ -179,6 +180,9 @@ class AdaptiveBits:
         self._tried: dict[torch.device, int] = {}
         self._warned = False
         self._task: int | bool | None = None  # the backward pass whose end is awaited
+        # forward statistics of the root forward under way, applied when it returns (a
+        # forward that raises adds nothing); None outside a hooked root forward
+        self._pending: list[tuple[_LayerStats, torch.Tensor, float]] | None = None
         if model is not None:
             self.attach(model)
 
@@ -198,6 +202,10 @@ class AdaptiveBits:
                 module.act_scheme = self
                 module.act_name = name
                 self.layers.setdefault(name, _LayerStats())
+        model.act_adaptive = self
+        if not any(h is _forward_begins for h in model._forward_pre_hooks.values()):
+            model.register_forward_pre_hook(_forward_begins)
+            model.register_forward_hook(_forward_ends, always_call=True)
         return self
 
     @staticmethod
@@ -300,7 +308,14 @@ class AdaptiveBits:
         return PerSampleQuantize(counts, gs, config.stochastic, weights=weights)
 
     def _take(self, stats: _LayerStats, profile: torch.Tensor, elems: float) -> None:
-        """Average a step's range-weight profile and elements per sample into ``stats``."""
+        """Average a step's range-weight profile and elements per sample into ``stats`` (once
+        the root forward returns, when it runs under the model's hooks)."""
+        if self._pending is not None:
+            self._pending.append((stats, profile, elems))
+            return
+        self._apply(stats, profile, elems)
+
+    def _apply(self, stats: _LayerStats, profile: torch.Tensor, elems: float) -> None:
         stats.profile, stats.profile_seen, taken = _finite_ema(
             stats.profile, stats.profile_seen, profile, self.momentum
         )
@@ -497,3 +512,31 @@ def _graph_task() -> int | None:
     """The id of the backward pass running on this thread (-1: none; None: unknown)."""
     current = getattr(torch._C, "_current_graph_task_id", None)
     return None if current is None else int(current())
+
+
+# ---- on the model: a forward that raises leaves the statistics as they were ---------------
+
+
+@torch.compiler.disable
+def _forward_begins(module: nn.Module, args: Any) -> None:
+    scheme = module.__dict__.get("act_adaptive")
+    if isinstance(scheme, AdaptiveBits) and scheme._pending is None:
+        scheme._pending = []
+        module.__dict__["_act_adaptive_depth"] = 0
+    elif isinstance(scheme, AdaptiveBits):  # the root forward called again inside itself
+        module.__dict__["_act_adaptive_depth"] = module.__dict__.get("_act_adaptive_depth", 0) + 1
+
+
+@torch.compiler.disable
+def _forward_ends(module: nn.Module, args: Any, output: Any) -> None:
+    scheme = module.__dict__.get("act_adaptive")
+    if not isinstance(scheme, AdaptiveBits) or scheme._pending is None:
+        return
+    depth = module.__dict__.get("_act_adaptive_depth", 0)
+    if depth:
+        module.__dict__["_act_adaptive_depth"] = depth - 1
+        return
+    pending, scheme._pending = scheme._pending, None
+    if not forward_raised(output):
+        for stats, profile, elems in pending:
+            scheme._apply(stats, profile, elems)

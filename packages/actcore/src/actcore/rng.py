@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "attach_stream",
     "check_stream_seed",
     "current",
+    "forward_raised",
     "release",
     "using",
 ]
@@ -131,16 +133,28 @@ def release(stream: SeedStream) -> None:
 # ---- on a model: the root's forward makes its stream active ---------------------------------
 
 
+def forward_raised(output: Any) -> bool:
+    """In a forward hook registered with ``always_call=True``: whether the forward raised
+    (torch then calls it with no output, while the exception is being handled)."""
+    return output is None and sys.exc_info()[0] is not None
+
+
 def _root_pre(module: torch.nn.Module, args: Any) -> None:
     stream = module.__dict__.get("act_rng")
     if isinstance(stream, SeedStream):
         active(stream)
+        module.__dict__.setdefault("_act_rng_entry", []).append(stream.count)
 
 
 def _root_post(module: torch.nn.Module, args: Any, output: Any) -> None:
     stream = module.__dict__.get("act_rng")
     if isinstance(stream, SeedStream):
         release(stream)
+        entries = module.__dict__.get("_act_rng_entry")
+        entry = entries.pop() if entries else None
+        if entry is not None and forward_raised(output):
+            with stream._lock:  # a forward that raised takes no seeds from the stream
+                stream.count = entry
 
 
 def attach_stream(model: torch.nn.Module, seed: int | None = None) -> SeedStream:
