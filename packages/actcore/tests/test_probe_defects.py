@@ -201,3 +201,49 @@ def test_a_forward_that_raises_takes_no_seeds_and_no_statistics() -> None:
     # the next step is the one the model without the failure takes, bit for bit
     for a, b in zip(_step(clean, x), _step(failing, x), strict=True):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- 5: another model's plan
+def _trained_l3(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    actcore.convert(model, level="L3", seed=1)
+    for _ in range(2):
+        model(x).square().sum().backward()
+    return model
+
+
+def test_another_models_adaptive_state_is_refused_and_changes_nothing() -> None:
+    torch.manual_seed(0)
+    mlp = _trained_l3(
+        nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)), torch.randn(16, 64)
+    )
+    cnn = _trained_l3(
+        nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 4)),
+        torch.randn(16, 3, 16, 16),
+    )
+    before = actcore.resume.state_dict(cnn)
+    with pytest.raises(ValueError, match="taken on other layers"):
+        actcore.resume.load_state_dict(cnn, actcore.resume.state_dict(mlp))
+    with pytest.raises(ValueError, match="taken on other layers"):
+        cnn.act_adaptive.load_state_dict(mlp.act_adaptive.state_dict())
+    after = actcore.resume.state_dict(cnn)
+    assert after["rng"] == before["rng"]
+    for name, entry in before["adaptive"]["layers"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(after["adaptive"]["layers"][name][key], value), (name, key)
+
+
+def test_same_names_other_shapes_is_refused() -> None:
+    torch.manual_seed(0)
+    narrow = _trained_l3(
+        nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(16, 64)
+    )
+    wide = _trained_l3(
+        nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 4)), torch.randn(16, 64)
+    )
+    with pytest.raises(ValueError, match="weight shapes"):
+        wide.act_adaptive.load_state_dict(narrow.act_adaptive.state_dict())
+    twin = _trained_l3(
+        nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(16, 64)
+    )
+    twin.act_adaptive.load_state_dict(narrow.act_adaptive.state_dict())  # the same layers

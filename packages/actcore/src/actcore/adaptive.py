@@ -89,7 +89,7 @@ from .adaptive_plan import (
 )
 from .adaptive_recording import _Recording
 from .adaptive_samples import _checked_index, _sample_scale, _write_norms
-from .adaptive_state import _DEFAULT_WINDOW, _checked_state
+from .adaptive_state import _DEFAULT_WINDOW, _check_same_layers, _checked_state
 from .adaptive_stats import _coupling, _ema, _finite_ema, _LayerStats, _squared_norm
 from .compressors import (
     Compressor,
@@ -183,6 +183,8 @@ class AdaptiveBits:
         # forward statistics of the root forward under way, applied when it returns (a
         # forward that raises adds nothing); None outside a hooked root forward
         self._pending: list[tuple[_LayerStats, torch.Tensor, float]] | None = None
+        # the attached layers' weight shapes: what a loaded state must have been taken on
+        self._weights: dict[str, tuple[int, ...]] = {}
         if model is not None:
             self.attach(model)
 
@@ -202,6 +204,7 @@ class AdaptiveBits:
                 module.act_scheme = self
                 module.act_name = name
                 self.layers.setdefault(name, _LayerStats())
+                self._weights[name] = tuple(module.weight.shape)
         model.act_adaptive = self
         if not any(h is _forward_begins for h in model._forward_pre_hooks.values()):
             model.register_forward_pre_hook(_forward_begins)
@@ -481,11 +484,19 @@ class AdaptiveBits:
             "sample_momentum": self.sample_momentum,
             "skipped": self.skipped,
             "layers": layers,
+            "weights": {name: list(shape) for name, shape in self._weights.items()},
         }
+
+    def check_state(self, state: Any) -> tuple[tuple, dict[str, _LayerStats]]:
+        """``state``'s values, checked (types, ranges, plans) and taken on this scheme's
+        layers (names and weight shapes); ValueError/TypeError/KeyError, nothing changed."""
+        top, layers = _checked_state(state)
+        _check_same_layers(state, layers, self._weights)
+        return top, layers
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`; checks all of it first and changes nothing on error."""
-        top, layers = _checked_state(state)
+        top, layers = self.check_state(state)
         index_end = self._index_end
         for st in layers.values():
             if st.grads is not None:

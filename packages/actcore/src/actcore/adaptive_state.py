@@ -14,7 +14,7 @@ import torch
 
 from .adaptive_stats import _LayerStats
 
-__all__: list[str] = []
+__all__: list[str] = []  # private to actcore.adaptive
 
 _DEFAULT_WINDOW = 4  # AdaptiveBits' window (and that of states saved before it had one)
 
@@ -157,3 +157,35 @@ def _checked_layer(name: str, entry: dict[str, Any], min_bits: int, max_bits: in
         readers=set(readers),
         **seen,
     )
+
+
+def _check_same_layers(
+    state: dict[str, Any], layers: dict[str, _LayerStats], weights: dict[str, tuple[int, ...]]
+) -> None:
+    """ValueError unless ``state`` was taken on the layers this scheme is attached to
+    (``weights``: name -> weight shape; nothing to compare before attaching): the same names,
+    and the same weight shapes where the state records them."""
+    if not weights:
+        return
+    unknown = sorted(set(layers) - set(weights))
+    missing = sorted(set(weights) - set(layers))
+    if unknown or missing:
+        raise ValueError(
+            "AdaptiveBits state was taken on other layers than this model's: "
+            f"layers not in the model {unknown}, layers of the model not in the state {missing}"
+        )
+    saved = state.get("weights")
+    if saved is None:  # a state from before weight shapes were recorded
+        return
+    if not isinstance(saved, dict):
+        raise TypeError(f"AdaptiveBits state 'weights' must be a dict, got {saved!r}")
+    differ = {
+        name: (list(saved[name]), list(shape))
+        for name, shape in weights.items()
+        if name in saved and list(saved[name]) != list(shape)
+    }
+    if differ:
+        raise ValueError(
+            "AdaptiveBits state was taken on other layers than this model's (weight shapes "
+            f"saved vs here): {differ}"
+        )

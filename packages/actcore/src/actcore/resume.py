@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from .adaptive import AdaptiveBits, _checked_state
+from .adaptive import AdaptiveBits
 from .rng import SeedStream
 
 __all__ = ["load_state_dict", "state_dict"]
@@ -61,7 +61,7 @@ def load_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
     if "rng" in state:
         SeedStream(0).load_state_dict(state["rng"])  # check only
     if "adaptive" in state:
-        _checked_state(state["adaptive"])  # check only
+        parts["adaptive"].check_state(state["adaptive"])  # check only
     if "policy" in state:
         parts["policy"].load_state_dict(state["policy"])  # checks all, then changes
     if "adaptive" in state:
