@@ -247,3 +247,45 @@ def test_same_names_other_shapes_is_refused() -> None:
         nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4)), torch.randn(16, 64)
     )
     twin.act_adaptive.load_state_dict(narrow.act_adaptive.state_dict())  # the same layers
+
+
+def _estimated_controller(model: nn.Module, x: torch.Tensor) -> actcore.Controller:
+    controller = actcore.Controller(model, "L2", policy="acgc", error_bound=0.1)
+
+    def backprop() -> None:
+        with controller:
+            model(x).square().sum().backward()
+
+    controller.iterate(backprop)
+    return controller
+
+
+def test_a_policy_state_of_another_model_is_refused() -> None:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    cnn = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 4))
+    from_mlp = _estimated_controller(mlp, torch.randn(16, 64)).state_dict()
+    assert from_mlp["modules"]  # the plan names modules of the MLP
+    target = _estimated_controller(cnn, torch.randn(16, 3, 16, 16))
+    before = target.state_dict()
+    with pytest.raises(ValueError, match="taken on another model"):
+        target.load_state_dict(from_mlp)
+    assert target.state_dict()["policy"]["plan"] == before["policy"]["plan"]
+    twin = _estimated_controller(
+        nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)), torch.randn(16, 64)
+    )
+    twin.load_state_dict(from_mlp)  # the same modules: loads
+
+    # the layer route: convert(policy="acgc") keeps the same check
+    scheme_mlp = actcore.convert(
+        nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)), "L2", policy="acgc"
+    ).act_policy
+    scheme_cnn = actcore.convert(
+        nn.Sequential(nn.Conv2d(3, 64, 3), nn.ReLU(), nn.Conv2d(64, 4, 3)), "L2", policy="acgc"
+    ).act_policy
+    state = scheme_mlp.state_dict()
+    state["policy"]["plan"] = {"0:conv": 4, "2:conv": 4}
+    state["policy"]["numel"] = {"0:conv": 1024, "2:conv": 1024}
+    state["modules"] = actcore.policies.plan_modules(scheme_mlp.model, state["policy"])
+    with pytest.raises(ValueError, match="taken on another model"):
+        scheme_cnn.load_state_dict(state)

@@ -29,7 +29,15 @@ from torch import nn
 
 from .fewbit.convert import swap_activation
 from .fewbit.tables import check_bits
-from .policies import HookLevel, Policy, check_iteration, hook_level, make_policy
+from .policies import (
+    HookLevel,
+    Policy,
+    check_iteration,
+    check_modules,
+    hook_level,
+    make_policy,
+    plan_modules,
+)
 from .rng import SeedStream
 from .saved_tensor_hooks import SavedTensorHooks
 
@@ -163,7 +171,8 @@ class Controller:
         return {
             "level": self.level.name,
             "iteration": self.iteration,
-            "policy": self.policy.state_dict(),
+            "policy": (policy := self.policy.state_dict()),
+            "modules": plan_modules(self.model, policy),
             "rng": self.rng.state_dict(),
         }
 
@@ -178,6 +187,7 @@ class Controller:
         stream = state.get("rng")
         if stream is not None:
             SeedStream(0).load_state_dict(stream)  # checked before anything changes
+        check_modules(self.model, state.get("modules"), "Controller state")
         self.policy.load_state_dict(state["policy"])  # checks all first, then changes
         self.iteration = iteration
         if stream is not None:

@@ -19,7 +19,7 @@ from torch import nn
 from .compressors import IDENTITY, Compressor, Quantize, Recorded, SeededQuantize, ZeroValue
 from .config import LevelSpec, config
 from .layers.modules import QLayer
-from .policies import Policy, build_policy, check_iteration
+from .policies import Policy, build_policy, check_iteration, check_modules, plan_modules
 
 __all__ = ["PolicyScheme", "make_scheme", "set_policy"]
 
@@ -103,13 +103,16 @@ class PolicyScheme:
         return dict(getattr(self.policy, "plan", {}))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "policy": self.policy.state_dict()}
+        policy = self.policy.state_dict()
+        modules = plan_modules(self.model, policy)
+        return {"iteration": self.iteration, "policy": policy, "modules": modules}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"iteration", "policy"} - set(state)
         if missing:
             raise KeyError(f"PolicyScheme state lacks {sorted(missing)}")
         iteration = check_iteration(state["iteration"], "PolicyScheme")
+        check_modules(self.model, state.get("modules"), "PolicyScheme state")
         self.policy.load_state_dict(state["policy"])  # checks all first, then changes
         self.iteration = iteration
 

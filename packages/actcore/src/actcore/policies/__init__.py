@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import FixedBits, Policy, check_iteration
+from .base import FixedBits, Policy, check_iteration, check_modules, plan_modules
 from .levels import HOOK_LEVELS, HookLevel, hook_level
 from .sensitivity import ACGC, AdaptivePolicy, AutoPrecision
 
@@ -31,8 +31,10 @@ __all__ = [
     "as_policy",
     "build_policy",
     "check_iteration",
+    "check_modules",
     "hook_level",
     "make_policy",
+    "plan_modules",
 ]
 
 _ADAPTIVE_KEYS = ("adapt_interval", "min_bits", "max_bits", "max_passes", "probe_bits", "swap")

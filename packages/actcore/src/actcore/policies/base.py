@@ -8,7 +8,7 @@ from typing import Any
 
 from ..ops.api import check_bits
 
-__all__ = ["FixedBits", "Policy", "check_iteration"]
+__all__ = ["FixedBits", "Policy", "check_iteration", "check_modules", "plan_modules"]
 
 
 class Policy:
@@ -73,3 +73,46 @@ def check_iteration(value: Any, who: str) -> int:
     if value < 0:
         raise ValueError(f"{who} state iteration must be >= 0, got {value}")
     return int(value)
+
+
+def _module_of(key: str) -> str:
+    """The module name a plan key starts with (``name:role``, ``name#call:index``)."""
+    return key.split(":", 1)[0].split("#", 1)[0]
+
+
+def _signature(module: Any) -> str:
+    weight = getattr(module, "weight", None)
+    shape = list(weight.shape) if hasattr(weight, "shape") else None
+    return f"{type(module).__name__}{shape}" if shape is not None else type(module).__name__
+
+
+def plan_modules(model: Any, policy_state: dict[str, Any]) -> dict[str, str]:
+    """What a policy state's plan refers to: ``{module name: class and weight shape}`` for
+    each module of ``model`` its keys name (saved beside the state, checked on load)."""
+    plan = policy_state.get("plan")
+    if model is None or not isinstance(plan, dict):
+        return {}
+    named = dict(model.named_modules(remove_duplicate=False))
+    names = {_module_of(str(key)) for key in plan}
+    return {name: _signature(named[name]) for name in sorted(names) if name in named}
+
+
+def check_modules(model: Any, saved: Any, who: str) -> None:
+    """ValueError unless the modules a saved plan refers to (:func:`plan_modules`) are those
+    of ``model``: a plan taken on another model would assign its bits to the wrong tensors."""
+    if model is None or saved is None:
+        return
+    if not isinstance(saved, dict):
+        raise TypeError(f"{who} 'modules' must be a dict, got {saved!r}")
+    named = dict(model.named_modules(remove_duplicate=False))
+    differ = {
+        name: (sig, _signature(named[name]) if name in named else "no such module")
+        for name, sig in saved.items()
+        if name not in named or _signature(named[name]) != sig
+    }
+    if differ:
+        shown = dict(list(differ.items())[:5])
+        raise ValueError(
+            f"{who} was taken on another model than this {type(model).__name__}: modules "
+            f"(saved, here) {shown}"
+        )
