@@ -2,7 +2,7 @@
 #
 # .venv holds the tools (tox, ruff) and, for the demo, actcore installed editable. torch
 # is not installed into it: tools/torch_site.py links it to the one shared torch that
-# the tox envs use too (see README.md, "Development").
+# the tox envs use too (see docs/GUIDE.md, "Development").
 
 PYTHON ?= python3
 VENV ?= .venv
