@@ -289,3 +289,41 @@ def test_a_policy_state_of_another_model_is_refused() -> None:
     state["modules"] = actcore.policies.plan_modules(scheme_mlp.model, state["policy"])
     with pytest.raises(ValueError, match="taken on another model"):
         scheme_cnn.load_state_dict(state)
+
+
+# ---------------------------------------------------------------- 2: torch.export
+def _export_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 4)
+    )
+
+
+def _adaptive_values(model: nn.Module) -> dict[str, list]:
+    return {
+        name: [t.clone() for t in (s.elems, s.profile, s.sens) if t is not None]
+        for name, s in model.act_adaptive.layers.items()
+    }
+
+
+@pytest.mark.parametrize("trained", [True, False], ids=["trained", "fresh"])
+def test_export_of_an_l3_model_works_in_eval_and_changes_no_state(trained: bool) -> None:
+    torch.manual_seed(0)
+    model = actcore.convert(_export_model(), level="L3")
+    x = torch.randn(4, 3, 16, 16)
+    if trained:
+        model(x).sum().backward()
+    before = _adaptive_values(model)
+    rng = dict(model.act_rng.state_dict())
+    model.eval()
+    program = torch.export.export(model, (x,))
+    with torch.no_grad():
+        assert torch.equal(program.module()(x), model(x))
+    after = _adaptive_values(model)
+    assert before.keys() == after.keys()
+    for name in before:
+        assert len(before[name]) == len(after[name])
+        assert all(torch.equal(a, b) for a, b in zip(before[name], after[name], strict=True))
+    assert model.act_rng.state_dict()["seed"] == rng["seed"]
+    actcore.resume.state_dict(model)  # still readable
+    model.train()
+    model(x).sum().backward()  # and it trains on

@@ -255,7 +255,10 @@ class AdaptiveBits:
 
     def collecting(self) -> bool:
         """Whether the step now running takes statistics: every step up to the first replan,
-        then the last ``window`` steps before each replan."""
+        then the last ``window`` steps before each replan; never while a graph is traced
+        (``torch.export``, ``torch.compile``), whose tensors are not a step's values."""
+        if torch.compiler.is_compiling():
+            return False
         return (
             self.steps < self.interval or self.steps % self.interval >= self.interval - self.window
         )
