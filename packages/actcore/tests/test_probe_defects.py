@@ -327,3 +327,29 @@ def test_export_of_an_l3_model_works_in_eval_and_changes_no_state(trained: bool)
     actcore.resume.state_dict(model)  # still readable
     model.train()
     model(x).sum().backward()  # and it trains on
+
+
+# ---------------------------------------------------------------- 3: torch.func transforms
+@pytest.mark.parametrize("level", ["L0", "L2", "L3"])
+@pytest.mark.parametrize("transform", ["grad", "vmap_grad", "jacrev"])
+def test_torch_func_transforms_get_a_clear_error(level: str, transform: str) -> None:
+    from torch.func import functional_call, grad, jacrev, vmap
+
+    model = actcore.convert(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)), level)
+    params = dict(model.named_parameters())
+
+    def loss(p: dict, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (x,)).sum()
+
+    x = torch.randn(3, 4)
+    run = {
+        "grad": lambda: grad(loss)(params, x),
+        "vmap_grad": lambda: vmap(grad(loss), in_dims=(None, 0))(params, x[:, None]),
+        "jacrev": lambda: jacrev(lambda x: functional_call(model, params, (x,)))(x),
+    }[transform]
+    with pytest.raises(RuntimeError, match=r"cannot run under torch\.func transforms"):
+        run()
+    # the unconverted twin takes the same parameters: the way out the error names
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    grads = grad(lambda p, x: functional_call(plain, p, (x,)).sum())(params, x)
+    assert set(grads) == set(params)

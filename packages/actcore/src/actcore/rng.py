@@ -139,7 +139,25 @@ def forward_raised(output: Any) -> bool:
     return output is None and sys.exc_info()[0] is not None
 
 
+def _refuse_functorch(module: torch.nn.Module) -> None:
+    """A converted model under a torch.func transform (grad, vmap, jacrev, ...): a clear
+    error before any layer runs (its autograd Functions keep compressed tensors in state the
+    transforms do not see; torch's own errors would name neither ACT nor a way out)."""
+    if torch.compiler.is_compiling():  # no graph break for the check
+        return
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if active is not None and active():
+        raise RuntimeError(
+            f"actcore: the converted {type(module).__name__} cannot run under torch.func "
+            "transforms (grad, vmap, jacrev, ...): its layers keep compressed tensors in "
+            "autograd state those transforms do not see. Apply the transform to the "
+            "unconverted model (convert keeps parameter names: torch.func.functional_call "
+            "takes the same parameters)."
+        )
+
+
 def _root_pre(module: torch.nn.Module, args: Any) -> None:
+    _refuse_functorch(module)
     stream = module.__dict__.get("act_rng")
     if isinstance(stream, SeedStream):
         active(stream)
