@@ -397,3 +397,19 @@ def test_attention_coefficients_bits():
     assert attention_compressor(conv, alpha).bits == 2
     act_pyg.convert(conv, "L0")
     assert attention_compressor(conv, alpha) is IDENTITY
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n.startswith("gat")])
+def test_gat_gradients_at_L0_are_bitwise_pyg(name, small):
+    """L0 is plain PyTorch: a GAT's gradients are PyG's own, bit for bit (the fused
+    attention backward, which reorders sums, is for the compressing levels)."""
+    stock, conv = stock_and_converted(VARIANTS[name], "L0", torch.float32)
+    x1 = small.x.detach().clone().requires_grad_()
+    x2 = small.x.detach().clone().requires_grad_()
+    out1, out2 = _run(stock, x1, small.edge_index), _run(conv, x2, small.edge_index)
+    grad = torch.randn_like(out1)
+    out1.backward(grad)
+    out2.backward(grad)
+    assert torch.equal(x1.grad, x2.grad)
+    for (n, p1), (_, p2) in zip(stock.named_parameters(), conv.named_parameters(), strict=True):
+        assert torch.equal(p1.grad, p2.grad), n

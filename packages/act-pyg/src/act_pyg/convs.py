@@ -26,6 +26,7 @@ from torch_geometric.nn.conv.gcn_conv import gcn_norm
 from torch_geometric.typing import SparseTensor
 from torch_geometric.utils import add_self_loops, remove_self_loops
 
+import actcore
 from actcore.layers import ConvertedLayer
 from actcore.stash import needs_saving
 
@@ -275,6 +276,10 @@ class QGATConv(QMessagePassing, GATConv):
         args = (x, edge_index, edge_attr, size, return_attention_weights)
         if not _pending_backward(self, x):
             return super().forward(*args)
+        if not (self.act_spec or actcore.config.spec).compresses:
+            # nothing to compress: PyG's own forward, so gradients are bitwise PyG's too
+            # (the fused attention backward reorders sums)
+            return self._stock(*args)
         if (
             not isinstance(x, Tensor)
             or x.dim() != 2

@@ -184,7 +184,7 @@ class AdaptiveBits:
         # forward that raises adds nothing); None outside a hooked root forward
         self._pending: list[tuple[_LayerStats, torch.Tensor, float]] | None = None
         # the attached layers' weight shapes: what a loaded state must have been taken on
-        self._weights: dict[str, tuple[int, ...]] = {}
+        self._weights: dict[str, tuple[int, ...] | None] = {}
         if model is not None:
             self.attach(model)
 
@@ -204,7 +204,8 @@ class AdaptiveBits:
                 module.act_scheme = self
                 module.act_name = name
                 self.layers.setdefault(name, _LayerStats())
-                self._weights[name] = tuple(module.weight.shape)
+                lazy = nn.parameter.is_lazy(module.weight)  # no shape before its first forward
+                self._weights[name] = None if lazy else tuple(module.weight.shape)
         model.act_adaptive = self
         if not any(h is _forward_begins for h in model._forward_pre_hooks.values()):
             model.register_forward_pre_hook(_forward_begins)
@@ -487,7 +488,10 @@ class AdaptiveBits:
             "sample_momentum": self.sample_momentum,
             "skipped": self.skipped,
             "layers": layers,
-            "weights": {name: list(shape) for name, shape in self._weights.items()},
+            "weights": {
+                name: None if shape is None else list(shape)
+                for name, shape in self._weights.items()
+            },
         }
 
     def check_state(self, state: Any) -> tuple[tuple, dict[str, _LayerStats]]:

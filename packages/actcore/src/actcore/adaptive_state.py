@@ -160,11 +160,13 @@ def _checked_layer(name: str, entry: dict[str, Any], min_bits: int, max_bits: in
 
 
 def _check_same_layers(
-    state: dict[str, Any], layers: dict[str, _LayerStats], weights: dict[str, tuple[int, ...]]
+    state: dict[str, Any],
+    layers: dict[str, _LayerStats],
+    weights: dict[str, tuple[int, ...] | None],
 ) -> None:
     """ValueError unless ``state`` was taken on the layers this scheme is attached to
-    (``weights``: name -> weight shape; nothing to compare before attaching): the same names,
-    and the same weight shapes where the state records them."""
+    (``weights``: name -> weight shape, None while lazy; nothing to compare before
+    attaching): the same names, and the same weight shapes where both are known."""
     if not weights:
         return
     unknown = sorted(set(layers) - set(weights))
@@ -182,7 +184,7 @@ def _check_same_layers(
     differ = {
         name: (list(saved[name]), list(shape))
         for name, shape in weights.items()
-        if name in saved and list(saved[name]) != list(shape)
+        if shape is not None and saved.get(name) is not None and list(saved[name]) != list(shape)
     }
     if differ:
         raise ValueError(

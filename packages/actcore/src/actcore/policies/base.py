@@ -6,6 +6,8 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ..ops.api import check_bits
 
 __all__ = ["FixedBits", "Policy", "check_iteration", "check_modules", "plan_modules"]
@@ -82,7 +84,8 @@ def _module_of(key: str) -> str:
 
 def _signature(module: Any) -> str:
     weight = getattr(module, "weight", None)
-    shape = list(weight.shape) if hasattr(weight, "shape") else None
+    known = isinstance(weight, torch.Tensor) and not torch.nn.parameter.is_lazy(weight)
+    shape = list(weight.shape) if known else None
     return f"{type(module).__name__}{shape}" if shape is not None else type(module).__name__
 
 
