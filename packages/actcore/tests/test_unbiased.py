@@ -254,14 +254,7 @@ OPEN = {
     "into the logits, and the softmax recomputed from them is biased: the hooks route packs "
     "q and k apart and keeps each one's own largest dims exact, not the same ones in both "
     "(convert's attention does): open in the unbiased-gradients issue",
-    ("batch_norm_small_map", False, "hooks", "L1.2"): "the batch norm's input gets its bits "
-    "floor on this route too, but the SiLU after it saves its input at 2 bits and the hooks "
-    "route evaluates SiLU's derivative there: biased (conv.weight 1.56x): open in the "
-    "unbiased-gradients issue",
 }
-OPEN[("batch_norm_small_map", True, "hooks", "L1.2")] = OPEN[
-    ("batch_norm_small_map", False, "hooks", "L1.2")
-]
 SMOOTH = [*ACTIVATIONS, "swiglu"]
 """Cases still biased, with why: they run and must fail (strict xfail), so a fix shows."""
 

@@ -7,8 +7,10 @@ so neither the hook nor a dispatch mode can tell which op saved a tensor. A
 
 * ``depth > 0`` inside an op whose backward compares or divides saved values
   (:mod:`actcore.exact_ops`): what it saves is kept exact;
-* ``batch_norm_input``: the storage of the input of the ``F.batch_norm`` call now running
-  (0 outside one), whose saved input gets more bits on small maps;
+* ``floored_input`` and ``floored_kind``: the storage of the input of the call of
+  :data:`FLOORED_INPUTS` now running (0 outside one) and its kind: ``"batch_norm"`` (more
+  bits on small maps) or ``"activation"`` (a smooth activation, whose backward evaluates
+  its derivative at the saved input: at least 4 bits, as the layer route keeps it);
 * ``attention > 0`` inside ``F.scaled_dot_product_attention`` or
   ``F.multi_head_attention_forward``: the float tensors they create and save outside the
   autograd graph (sdpa's ``logsumexp``; not their inputs) are kept exact, as quantizing
@@ -35,7 +37,7 @@ from .exact_ops import ExactOps, _lookup
 
 __all__ = [
     "ATTENTION_FUNCTIONS",
-    "BATCH_NORM_FUNCTIONS",
+    "FLOORED_INPUTS",
     "DataMarks",
     "OpMode",
     "call_outside_modes",
@@ -46,8 +48,36 @@ __all__ = [
 ATTENTION_FUNCTIONS = frozenset({F.scaled_dot_product_attention, F.multi_head_attention_forward})
 """Calls inside which float tensors saved outside the autograd graph stay exact."""
 
-BATCH_NORM_FUNCTIONS = frozenset({F.batch_norm})
-"""Calls whose saved input gets the batch-norm bits floor (:func:`actcore.stash.batch_norm_bits`)."""
+FLOORED_INPUTS: dict[Any, str] = {
+    F.batch_norm: "batch_norm",
+    **dict.fromkeys(
+        (
+            F.gelu,
+            F.silu,
+            F.mish,
+            F.hardswish,
+            F.softplus,
+            F.elu,
+            F.selu,
+            F.celu,
+            F.logsigmoid,
+            torch.tanh,
+            torch.sigmoid,
+            torch.Tensor.tanh,
+            torch.Tensor.sigmoid,
+        ),
+        "activation",
+    ),
+}
+"""Calls whose saved input gets a bits floor, by kind: ``"batch_norm"``
+(:func:`actcore.stash.batch_norm_bits`), ``"activation"`` (nonlinear backward at 4 bits)."""
+
+
+def _floor_kind(func: Any) -> str | None:
+    try:
+        return FLOORED_INPUTS.get(func)
+    except TypeError:  # an unhashable callable: none of these
+        return None
 
 
 def _is_one_of(func: Any, functions: frozenset) -> bool:
@@ -150,7 +180,8 @@ class OpMode(ExactOps):
         self.attention = 0
         self.attention_inputs: frozenset[int] = frozenset()  # storages of the calls' tensors
         self.attention_numel = 0  # the most elements of one of those tensors
-        self.batch_norm_input = 0  # storage of the running F.batch_norm call's input
+        self.floored_input = 0  # storage of the running FLOORED_INPUTS call's input
+        self.floored_kind: str | None = None
         self.router = router
         self.suspended = suspended
         self.exact = exact
@@ -183,14 +214,16 @@ class OpMode(ExactOps):
             finally:
                 self.attention -= 1
                 self.attention_inputs, self.attention_numel = outer
-        if _is_one_of(func, BATCH_NORM_FUNCTIONS):
-            outer_input = self.batch_norm_input
+        kind = _floor_kind(func)
+        if kind is not None:
+            outer = self.floored_input, self.floored_kind
             x = args[0] if args else kwargs.get("input")
-            self.batch_norm_input = _storage(x) if isinstance(x, torch.Tensor) else 0
+            self.floored_input = _storage(x) if isinstance(x, torch.Tensor) else 0
+            self.floored_kind = kind
             try:
                 out = func(*args, **kwargs)
             finally:
-                self.batch_norm_input = outer_input
+                self.floored_input, self.floored_kind = outer
         else:
             out = func(*args, **kwargs)
         if torch.compiler.is_compiling():

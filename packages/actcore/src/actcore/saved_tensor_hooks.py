@@ -67,6 +67,7 @@ from .policies import as_policy
 from .saved_handles import Handle, Stored, canonical, is_param_like, storage_ptr
 
 __all__ = [
+    "ACTIVATION_BITS",
     "FLOATS",
     "PROBABILITY_BITS",
     "SavedTensorHooks",
@@ -77,6 +78,9 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _RELU_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
 PROBABILITY_BITS = 4
 """With ``tailored``: least bits of saved softmax / sigmoid / tanh outputs."""
+ACTIVATION_BITS = 4
+"""The fewest bits of a smooth activation's saved input on this route (its backward is
+nonlinear in it: 2 bits there leave a bias that does not average out)."""
 # outputs in a bounded range whose op computes its derivative from them: kept at
 # PROBABILITY_BITS at least (a softmax's error enters its backward twice)
 _PROBABILITY_NODES = frozenset(
@@ -264,15 +268,16 @@ class SavedTensorHooks:
                 stash.note_kept(t)  # a tensor derived from it may refer to it
         return h
 
-    def _batch_norm_input(self, t: Tensor) -> bool:
-        """Whether ``t`` is the input the running ``F.batch_norm`` call saves."""
+    def _floored(self, t: Tensor, bits: int) -> int:
+        """``bits``, raised where ``t`` is the input of the running call of
+        :data:`actcore.op_mode.FLOORED_INPUTS`: a batch norm's on few values per channel,
+        a smooth activation's to :data:`ACTIVATION_BITS`."""
         mode = getattr(self._local, "mode", None)
-        return (
-            mode is not None
-            and mode.batch_norm_input != 0
-            and t.dim() >= 2
-            and storage_ptr(t) == mode.batch_norm_input
-        )
+        if mode is None or mode.floored_input == 0 or storage_ptr(t) != mode.floored_input:
+            return bits
+        if mode.floored_kind == "batch_norm":
+            return max(bits, stash.batch_norm_bits(t)) if t.dim() >= 2 else bits
+        return max(bits, ACTIVATION_BITS)
 
     def _keeps_exact(self, t: Tensor) -> bool:
         """What the op now saving needs exact (see :mod:`actcore.op_mode`), and, when
@@ -329,8 +334,7 @@ class SavedTensorHooks:
             fn = t.grad_fn
             if self.tailored and fn is not None and type(fn).__name__ in _PROBABILITY_NODES:
                 bits = max(bits, PROBABILITY_BITS)
-            if self._batch_norm_input(t):  # few values per channel: more bits
-                bits = max(bits, stash.batch_norm_bits(t))
+            bits = self._floored(t, bits)
         with torch.no_grad():
             return self._pack_compressed(t, key, bits)
 
