@@ -73,15 +73,6 @@ struct NoiseStream {
 
   __device__ explicit NoiseStream(int64_t s) : seed(s), hi(0), key(block_key(s, 0)) {}
 
-  __device__ __forceinline__ uint32_t hash(int64_t index) {
-    const int64_t h = index >> 32;
-    if (h != hi) {
-      hi = h;
-      key = block_key(seed, h);
-    }
-    return mix32(static_cast<uint32_t>(index) ^ key);
-  }
-
   // The key of the block of 2**32 holding `index`: hash(index + t) is then
   // mix32((uint32_t(index) + t) ^ key) while index + t stays in that block.
   __device__ __forceinline__ uint32_t key_of(int64_t index) {
@@ -91,6 +82,10 @@ struct NoiseStream {
       key = block_key(seed, h);
     }
     return key;
+  }
+
+  __device__ __forceinline__ uint32_t hash(int64_t index) {
+    return mix32(static_cast<uint32_t>(index) ^ key_of(index));
   }
 };
 

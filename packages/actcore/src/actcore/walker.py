@@ -55,10 +55,15 @@ class Walk:
     excluded: dict[str, nn.Module] = field(default_factory=dict)
 
 
+def _names(name: str, pattern: str) -> bool:
+    """Whether the name pattern ``pattern`` (fnmatch, or the name itself) names ``name``."""
+    return fnmatch.fnmatchcase(name, pattern) or name == pattern
+
+
 def is_excluded(name: str, module: nn.Module, exclude: Iterable[Exclude]) -> bool:
     """Whether ``exclude`` (names or fnmatch patterns, types, predicates) names ``module``."""
     for rule in exclude:
-        if isinstance(rule, str) and (fnmatch.fnmatchcase(name, rule) or name == rule):
+        if isinstance(rule, str) and _names(name, rule):
             return True
         if isinstance(rule, type) and isinstance(module, rule):
             return True
@@ -115,7 +120,7 @@ def walk(
         else:
             why = reason_of(name, module)
             for alias in aliases[id(module)] if why is None else ():
-                if (found := reason_of(alias, module)) is not None:
+                if alias != name and (found := reason_of(alias, module)) is not None:
                     why = f"{found} (as {alias})"
                     break
             if why is None:
@@ -136,9 +141,7 @@ def _warn_unmatched(
     nothing, silently, otherwise)."""
     names = [n for group in aliases.values() for n in group if n]
     for rule in rules:
-        if isinstance(rule, str) and not any(
-            fnmatch.fnmatchcase(n, rule) or n == rule for n in names
-        ):
+        if isinstance(rule, str) and not any(_names(n, rule) for n in names):
             some = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
             warnings.warn(
                 f"exclude pattern {rule!r} matches no module of {type(model).__name__} "

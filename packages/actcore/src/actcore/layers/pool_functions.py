@@ -108,16 +108,17 @@ def _window_offset(index, in_spatial, kernel, stride, padding, dilation) -> torc
     dtype = _index_dtype(in_spatial)
     starts = _window_starts(index.shape, stride, padding, index.device, dtype)
     rest = index.to(dtype)  # index itself for huge planes: the caller drops it
-    coords = [torch.empty(0)] * nd
+    coords: list[torch.Tensor | None] = [None] * nd
     for d in reversed(range(nd)):  # input coordinates, the least significant first
         coord = _peel(rest, in_spatial[d], d == 0).sub_(starts[d])
         if dilation[d] != 1:
             coord.div_(dilation[d], rounding_mode="floor")
         coords[d] = coord
     offset = coords[0]
+    assert offset is not None
     for d in range(1, nd):
         offset.mul_(kernel[d]).add_(coords[d])
-        coords[d] = torch.empty(0)
+        coords[d] = None  # freed as soon as added
     return offset
 
 

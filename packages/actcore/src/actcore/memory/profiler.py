@@ -21,8 +21,7 @@ def profiled_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[A
     is what the forward saved for backward plus its output, minus saved tensors that were
     allocated before the call (such as the input).
     """
-    out, prof = _profiled(fn, args, kwargs)
-    cuda = any(isinstance(a, Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
+    out, prof, cuda = _profiled(fn, args, kwargs)
     field_name = "self_device_memory_usage" if cuda else "self_cpu_memory_usage"
     return out, sum(getattr(e, field_name, 0) or 0 for e in prof.events())
 
@@ -32,8 +31,7 @@ def profiled_peak_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tu
     what was allocated before it, by the profiler: the running sum of its allocation and
     free records in time order (on the device of a CUDA argument, else the CPU). What a
     call's temporaries cost at their peak."""
-    out, prof = _profiled(fn, args, kwargs)
-    cuda = any(isinstance(a, Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
+    out, prof, cuda = _profiled(fn, args, kwargs)
     records = sorted(
         (e.start_ns(), e.nbytes())
         for e in prof.profiler.kineto_results.events()
@@ -46,7 +44,9 @@ def profiled_peak_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tu
     return out, peak
 
 
-def _profiled(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any]:
+def _profiled(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, Any, bool]:
+    """``fn``'s output, the profile of its call, and whether it ran on CUDA (an argument
+    is a CUDA tensor: its memory is then the device's)."""
     import gc
 
     from torch.profiler import ProfilerActivity, profile
@@ -56,4 +56,4 @@ def _profiled(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, A
     gc.collect()
     with profile(activities=activities, profile_memory=True) as prof:
         out = fn(*args, **kwargs)
-    return out, prof
+    return out, prof, cuda
