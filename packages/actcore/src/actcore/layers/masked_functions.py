@@ -35,7 +35,7 @@ class MaskedActivationFunction(torch.autograd.Function):
         if kind == "relu":
             out = torch.relu_(x) if inplace else torch.relu(x)
             # as torch's threshold_backward: NaN passes the gradient (one bool map, in place)
-            mask = (out <= 0).logical_not_()
+            mask = (out <= 0).bitwise_not_()
         elif kind == "leaky_relu":
             mask = x > 0
             out = torch.nn.functional.leaky_relu(x, param, inplace=inplace)
