@@ -231,6 +231,7 @@ KINDS: dict[str, Callable[[bool], tuple[nn.Module, Tensor]]] = {
         for name, make in ACTIVATIONS.items()
     },
     "softmax": lambda outlier: (Softmax(outlier), _tokens()),
+    "log_softmax": lambda outlier: (Between(nn.LogSoftmax(-1), outlier), _tokens()),
     "swiglu": lambda outlier: (SwiGLU(outlier), _tokens()),
     "squeeze_excitation": lambda outlier: (
         SqueezeExcitation(outlier),
@@ -249,12 +250,7 @@ KINDS: dict[str, Callable[[bool], tuple[nn.Module, Tensor]]] = {
 ROUTES = [("convert", "L3"), ("convert", "L2"), ("hooks", "L1"), ("hooks", "L1.2")]
 
 
-OPEN = {
-    ("attention", True, "hooks", "L1.2"): "an outlier in q multiplies k's rounding error "
-    "into the logits, and the softmax recomputed from them is biased: the hooks route packs "
-    "q and k apart and keeps each one's own largest dims exact, not the same ones in both "
-    "(convert's attention does): open in the unbiased-gradients issue",
-}
+OPEN: dict[tuple[str, bool, str, str], str] = {}
 SMOOTH = [*ACTIVATIONS, "swiglu"]
 """Cases still biased, with why: they run and must fail (strict xfail), so a fix shows."""
 

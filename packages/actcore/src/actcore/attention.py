@@ -11,10 +11,18 @@ restored q, k, v and differentiates it: the gradient is the exact gradient of at
 the restored inputs, memory stays linear in the sequence length, and the output itself is
 not kept (the next layer keeps its own copy of it). The cost is one attention forward more
 in backward, as with checkpointing the attention alone.
+
+Both routes use it: the layer route stashes q, k, v at its layer's level; the saved-tensor
+hooks route (``layer=None``, through :class:`actcore.saved_tensor_hooks.AttentionRouter`) saves them with
+``ctx.save_for_backward``, so the active hooks pack them at the policy's bits. There q and k
+keep the same feature dims exact (:func:`shared_exact_dims`), as the layer route does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -23,11 +31,20 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .compressors import IDENTITY, ChannelScaled, Compressor
-from .compressors.channel_scaled import joint_top
+from .compressors.channel_scaled import exact_channels, joint_top
 from .forward_state import forward_state, plain_saves, replayed
+from .op_mode import outside_function_modes, plain_float, wants_grad
 from .stash import OTHER, choose, stash, unstash
 
-__all__ = ["AttentionFunction", "attention"]
+__all__ = [
+    "AttentionFunction",
+    "attention",
+    "scaled_dot_product_attention",
+    "shared_exact_dims",
+]
+
+_SDPA_OPTIONS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SHARED = threading.local()  # .pairs: ((q or k, dims), ...) while hooks pack a call's q and k
 
 
 def _sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> torch.Tensor:
@@ -69,6 +86,43 @@ def _same_exact_dims(
     return replace(q_, top=top), replace(k_, top=top)
 
 
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def shared_exact_dims(t: torch.Tensor) -> torch.Tensor | None:
+    """The feature dims (of the last dim) the hooks keep exact in ``t`` because it is the q
+    or k of an attention call now being saved, the same dims in both; else None."""
+    for saved, dims in getattr(_SHARED, "pairs", ()):
+        if _same_view(t, saved):
+            return dims
+    return None
+
+
+@contextlib.contextmanager
+def _sharing_dims(q: torch.Tensor, k: torch.Tensor) -> Iterator[None]:
+    """Within the block, :func:`shared_exact_dims` names q's and k's dims of largest
+    ``amax(q) * amax(k)`` (one per 256 features, at least one, never all)."""
+    features = q.shape[-1]
+    count = min(exact_channels(features), features - 1)
+    if k.shape[-1] != features or count < 1:
+        yield
+        return
+    with torch.no_grad():
+        dims = joint_top(q, k, -1, count)
+    outer = getattr(_SHARED, "pairs", ())
+    _SHARED.pairs = (*outer, (q, dims), (k, dims))
+    try:
+        yield
+    finally:
+        _SHARED.pairs = outer
+
+
 class AttentionFunction(torch.autograd.Function):
     """``F.scaled_dot_product_attention`` keeping compressed q, k, v (module docstring)."""
 
@@ -82,6 +136,11 @@ class AttentionFunction(torch.autograd.Function):
         ctx.args = (dropout_p, is_causal, scale, enable_gqa)
         mask_tensor = mask if isinstance(mask, torch.Tensor) else None
         ctx.mask_value = None if mask_tensor is not None else mask
+        ctx.hooked = layer is None
+        if ctx.hooked:  # the active saved-tensor hooks pack q, k, v; the mask stays as it is
+            ctx.save_for_backward(q, k, v)
+            ctx.mask = mask_tensor
+            return out
         # (each head's features are the channels an outlier sits in)
         q_, k_, v_ = (choose(layer, OTHER, t, channel_dim=-1) for t in (q, k, v))
         q_, k_ = _same_exact_dims(q, k, q_, k_)
@@ -91,7 +150,11 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        q, k, v, mask = unstash(ctx)
+        if ctx.hooked:
+            q, k, v = ctx.saved_tensors
+            mask = ctx.mask
+        else:
+            q, k, v, mask = unstash(ctx)
         if mask is None:
             mask = ctx.mask_value
         needs = ctx.needs_input_grad[:4]
@@ -99,7 +162,8 @@ class AttentionFunction(torch.autograd.Function):
         for t, need in zip((q, k, v, mask), needs, strict=True):
             leaves.append(t.detach().requires_grad_(True) if need and t is not None else t)
         wanted = [t for t, need in zip(leaves, needs, strict=True) if need and t is not None]
-        with torch.enable_grad(), plain_saves(), replayed(ctx.state):
+        # (outside function modes: one that routes attention would route the rerun again)
+        with torch.enable_grad(), plain_saves(), replayed(ctx.state), outside_function_modes():
             out = _sdpa(*leaves, *ctx.args)
             found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
         grads = [
@@ -123,7 +187,30 @@ def attention(
     *,
     layer: Any,
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` with compressed saved inputs, for ``layer``'s level."""
-    return AttentionFunction.apply(
-        q, k, v, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa), layer
-    )
+    """``F.scaled_dot_product_attention`` with compressed saved inputs: at ``layer``'s level,
+    or (``layer=None``) packed by the active saved-tensor hooks."""
+    shared = _sharing_dims(q, k) if layer is None else contextlib.nullcontext()
+    with shared:  # (the hooks pack what a Function saves when apply returns)
+        return AttentionFunction.apply(
+            q, k, v, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa), layer
+        )
+
+
+def scaled_dot_product_attention(args: tuple, kwargs: dict, layer: Any) -> Any:
+    """An ``F.scaled_dot_product_attention(*args, **kwargs)`` call through
+    :func:`attention` for ``layer``, or ``NotImplemented`` where it does not apply (no
+    gradient wanted, subclassed or sparse tensors, unknown arguments)."""
+    if len(args) > 3 + len(_SDPA_OPTIONS):
+        return NotImplemented
+    names = ("query", "key", "value")
+    qkv = [args[i] if len(args) > i else kwargs.get(n) for i, n in enumerate(names)]
+    if set(kwargs) - {*names, *_SDPA_OPTIONS}:
+        return NotImplemented
+    if not all(plain_float(t) for t in qkv) or not wants_grad(*qkv):
+        return NotImplemented
+    options = dict(zip(_SDPA_OPTIONS, args[3:], strict=False))
+    options.update((n, kwargs[n]) for n in _SDPA_OPTIONS if n in kwargs)
+    mask = options.get("attn_mask")
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.layout == torch.strided):
+        return NotImplemented
+    return attention(*qkv, **options, layer=layer)

@@ -16,10 +16,15 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 import torch.nn.functional as F
+
+from .attention import attention
+from .op_mode import wants_grad
 
 __all__ = ["multi_head_attention"]
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 _HELPERS = ("_canonical_mask", "_none_or_dtype", "_in_projection_packed")
 
@@ -43,9 +48,14 @@ def _covered(a: dict[str, Any]) -> bool:
 
 
 def multi_head_attention(layer: Any, args: tuple, kwargs: dict) -> Any:
-    """``F.multi_head_attention_forward(*args, **kwargs)`` with compressed attention, or
-    ``NotImplemented`` for calls outside the covered ones (see the module docstring)."""
-    from .attention import attention
+    """``F.multi_head_attention_forward(*args, **kwargs)`` with compressed attention (at
+    ``layer``'s level, or packed by the active hooks for ``None``), or ``NotImplemented``
+    for calls outside the covered ones (see the module docstring) or without a gradient."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not wants_grad(*tensors):
+        return NotImplemented
+    if not all(type(t) in _PLAIN and t.layout == torch.strided for t in tensors):
+        return NotImplemented
 
     try:
         bound = _SIGNATURE.bind(*args, **kwargs)

@@ -43,6 +43,8 @@ __all__ = [
     "call_outside_modes",
     "created_by_attention",
     "outside_function_modes",
+    "plain_float",
+    "wants_grad",
 ]
 
 ATTENTION_FUNCTIONS = frozenset({F.scaled_dot_product_attention, F.multi_head_attention_forward})
@@ -85,6 +87,22 @@ def _is_one_of(func: Any, functions: frozenset) -> bool:
         return func in functions
     except TypeError:  # an unhashable callable: none of these
         return False
+
+
+def wants_grad(*tensors: Any) -> bool:
+    """Grad mode is on and one of ``tensors`` requires grad (a routed call saves)."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
+def plain_float(x: Any) -> bool:
+    """A strided floating tensor or parameter, no subclass: what routed calls take."""
+    return (
+        type(x) in (torch.Tensor, torch.nn.Parameter)
+        and x.is_floating_point()
+        and x.layout == torch.strided
+    )
 
 
 def _storage(t: torch.Tensor) -> int:

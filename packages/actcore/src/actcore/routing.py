@@ -49,6 +49,7 @@ from .layers.base import ConvertedLayer
 from .layers.derivative import keep_derivative
 from .layers.recompute import recompute
 from .loss import ROW_FUNCS, note_rows
+from .op_mode import plain_float, wants_grad
 from .stash import NORMALIZED, derive_from, in_checkpoint, note_output
 
 __all__ = ["FunctionalLayer", "FunctionalRouter"]
@@ -167,9 +168,9 @@ def _affine_norm_args(router: FunctionalRouter, args: tuple, kwargs: dict) -> tu
     x = args[0] if args else kwargs.get("input")
     weight = _arg(args, kwargs, 2, "weight", None)
     bias = _arg(args, kwargs, 3, "bias", None)
-    if not router.compresses_norms or not (_saves(x) or _wants_grad(weight, bias)):
+    if not router.compresses_norms or not (_saves(x) or wants_grad(weight, bias)):
         return None
-    return (x, weight, bias) if _plain_float(x) else None
+    return (x, weight, bias) if plain_float(x) else None
 
 
 def _layer_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
@@ -210,9 +211,9 @@ def _batch_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
     training = bool(_arg(args, kwargs, 5, "training", False))
     momentum = float(_arg(args, kwargs, 6, "momentum", 0.1))
     eps = float(_arg(args, kwargs, 7, "eps", 1e-5))
-    if not router.compresses_norms or not (_saves(x) or _wants_grad(weight, bias)):
+    if not router.compresses_norms or not (_saves(x) or wants_grad(weight, bias)):
         return NotImplemented
-    if not _plain_float(x) or x.dim() < 2:
+    if not plain_float(x) or x.dim() < 2:
         return NotImplemented
     if training:
         if x.numel() // x.shape[1] <= 1:
@@ -230,9 +231,9 @@ def _rms_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
 
     x = args[0] if args else kwargs.get("input")
     weight = _arg(args, kwargs, 2, "weight", None)
-    if not router.compresses_norms or not (_saves(x) or _wants_grad(weight)):
+    if not router.compresses_norms or not (_saves(x) or wants_grad(weight)):
         return NotImplemented
-    if not _plain_float(x):
+    if not plain_float(x):
         return NotImplemented
     shape = list(_arg(args, kwargs, 1, "normalized_shape", None))
     eps = _arg(args, kwargs, 3, "eps", None)
@@ -251,16 +252,6 @@ def _normalize(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
     if router.spec.norm_bits is None or not isinstance(dim, int):
         return NotImplemented
     return NormalizeFunction.apply(x, dim, float(eps), router.layer, NORMALIZED)
-
-
-def _wants_grad(*tensors: Any) -> bool:
-    return torch.is_grad_enabled() and any(
-        isinstance(t, Tensor) and t.requires_grad for t in tensors
-    )
-
-
-def _plain_float(x: Any) -> bool:
-    return type(x) in _PLAIN and x.is_floating_point() and x.layout == torch.strided
 
 
 # ---- dropout: the keep mask at 1 bit ---------------------------------------------------------
@@ -286,35 +277,19 @@ def _dropout(p_index: int, train_index: int, inplace: Callable[[tuple, dict], bo
 
 # ---- attention: the model's own kernel, compressed q, k, v --------------------------------
 
-_SDPA_NAMES = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
 
 def _sdpa(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-    from .attention import attention
+    from .attention import scaled_dot_product_attention
 
-    if router.spec.conv_bits is None or len(args) > 3 + len(_SDPA_NAMES):
+    if router.spec.conv_bits is None:
         return NotImplemented
-    names = ("query", "key", "value")
-    qkv = [args[i] if len(args) > i else kwargs.get(n) for i, n in enumerate(names)]
-    if set(kwargs) - {*names, *_SDPA_NAMES}:
-        return NotImplemented
-    if not all(_plain_float(t) for t in qkv) or not _wants_grad(*qkv):
-        return NotImplemented
-    options = dict(zip(_SDPA_NAMES, args[3:], strict=False))
-    options.update((n, kwargs[n]) for n in _SDPA_NAMES if n in kwargs)
-    mask = options.get("attn_mask")
-    if mask is not None and not (isinstance(mask, Tensor) and mask.layout == torch.strided):
-        return NotImplemented
-    return attention(*qkv, **options, layer=router.layer)
+    return scaled_dot_product_attention(args, kwargs, router.layer)
 
 
 def _multi_head(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
     from .multihead import multi_head_attention
 
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
-    if router.spec.conv_bits is None or not _wants_grad(*tensors):
-        return NotImplemented
-    if not all(type(t) in _PLAIN and t.layout == torch.strided for t in tensors):
+    if router.spec.conv_bits is None:
         return NotImplemented
     return multi_head_attention(router.layer, args, kwargs)
 

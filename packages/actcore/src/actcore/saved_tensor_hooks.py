@@ -17,10 +17,17 @@ What the pack hook does with each saved tensor:
 * tensors saved by ops whose backward compares or divides saved values (``amax``,
   ``maximum``, ``scatter_reduce(reduce="amax")``, inf-norms, ``prod``... see
   :mod:`actcore.exact_ops`) are kept exact, as quantizing them would give NaN or zero
-  gradients;
+  gradients; so are log-probabilities (``log_softmax``'s output, which ``cross_entropy``
+  saves: its backward exponentiates them, and ``E[exp(q(x))] != exp(x)``), and softmax,
+  sigmoid and tanh outputs keep at least :data:`PROBABILITY_BITS`;
 * floating tensors (fp32/fp16/bf16/fp64) go through the policy's compressor (k-bit stochastic
   quantization, optionally swapped to CPU). The output of a ReLU additionally keeps its
   nonzero mask at 1 bit, so ReLU's backward sees exactly the same mask (no biased gradient);
+* ``F.scaled_dot_product_attention`` and ``F.multi_head_attention_forward`` run through
+  :class:`actcore.attention.AttentionFunction`: q, k, v are packed (q and k with the same
+  feature dims exact), and backward reruns the call on them, as the layer route does (a
+  fused kernel's own backward, from rounded q and k and an exact ``logsumexp``, is biased
+  and with an outlier feature overflows);
 * a storage saved twice (the same tensor, or a permuted/expanded view of it, e.g. ``x`` and
   ``x.t()``) while unchanged is stored once.
 
@@ -48,9 +55,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import memory, ops, rng, stash
+from .attention import scaled_dot_product_attention, shared_exact_dims
 from .compressors import (
     ChannelScaled,
     Compressor,
@@ -61,6 +70,7 @@ from .compressors import (
     ZeroValue,
 )
 from .compressors.channel_scaled import scaled
+from .multihead import multi_head_attention
 from .op_mode import DataMarks, OpMode, created_by_attention
 from .pass_stats import PassStats, record_stats
 from .policies import as_policy
@@ -70,6 +80,7 @@ __all__ = [
     "ACTIVATION_BITS",
     "FLOATS",
     "PROBABILITY_BITS",
+    "AttentionRouter",
     "SavedTensorHooks",
     "compress_saved_tensors",
 ]
@@ -77,7 +88,8 @@ __all__ = [
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _RELU_NODES = frozenset({"ReluBackward0", "ReluBackward1"})
 PROBABILITY_BITS = 4
-"""With ``tailored``: least bits of saved softmax / sigmoid / tanh outputs."""
+"""The fewest bits of a saved softmax / sigmoid / tanh output (its backward is quadratic in
+it)."""
 ACTIVATION_BITS = 4
 """The fewest bits of a smooth activation's saved input on this route (its backward is
 nonlinear in it: 2 bits there leave a bias that does not average out)."""
@@ -88,6 +100,30 @@ _PROBABILITY_NODES = frozenset(
 )
 # log-probabilities: backward exponentiates them, so a rounding step becomes a factor
 _EXACT_OUTPUT_NODES = frozenset({"LogSoftmaxBackward0"})
+
+
+class AttentionRouter:
+    """This route's router (for :class:`actcore.op_mode.OpMode`): sdpa and
+    ``F.multi_head_attention_forward`` calls run through
+    :class:`actcore.attention.AttentionFunction`, which keeps q, k, v (packed by the hooks)
+    and reruns the call in backward. A fused kernel's own backward would recompute the
+    probabilities as ``exp(q k^T * scale - logsumexp)`` from rounded q and k and an exact
+    ``logsumexp``: no longer normalised, and with an outlier feature its gradient
+    overflows."""
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if torch.compiler.is_compiling() or stash.in_checkpoint():
+            # (checkpoint keeps nothing in its region and reruns it plainly in backward)
+            return NotImplemented
+        if func is F.scaled_dot_product_attention:
+            return scaled_dot_product_attention(args, kwargs, None)
+        if func is F.multi_head_attention_forward:
+            return multi_head_attention(None, args, kwargs)
+        return NotImplemented
+
+    def after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Nothing to follow after a call (the router protocol's second half)."""
+
 
 # --------------------------------------------------------------------------------------------
 # The hooks
@@ -141,7 +177,7 @@ class SavedTensorHooks:
         self._local = threading.local()  # per thread: the active hooks and mode, suspensions
         self.exact_ops = bool(exact_ops)
         self.tailored = bool(tailored)
-        self.router = router
+        self.router = AttentionRouter() if router is None else router
         self.module_keys = bool(module_keys)
         if model is not None:
             self.attach(model)
@@ -212,15 +248,14 @@ class SavedTensorHooks:
         hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         hooks.__enter__()
         self._local.hooks = hooks
-        if self.exact_ops or self.router is not None:
-            mode = OpMode(
-                router=self.router,
-                suspended=self.suspended,
-                exact=self.exact_ops,
-                marks=getattr(self._local, "marks", None) if self.tailored else None,
-            )
-            mode.__enter__()
-            self._local.mode = mode
+        mode = OpMode(
+            router=self.router,
+            suspended=self.suspended,
+            exact=self.exact_ops,
+            marks=getattr(self._local, "marks", None) if self.tailored else None,
+        )
+        mode.__enter__()
+        self._local.mode = mode
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -280,25 +315,24 @@ class SavedTensorHooks:
         return max(bits, ACTIVATION_BITS)
 
     def _keeps_exact(self, t: Tensor) -> bool:
-        """What the op now saving needs exact (see :mod:`actcore.op_mode`), and, when
-        ``tailored``, log-probabilities and the float constants a forward makes outside the
-        autograd graph (rotary cos/sin, position biases): anything without history that is
-        not on one of the root forward's inputs."""
+        """What the op now saving needs exact (see :mod:`actcore.op_mode`), log-probabilities
+        (their backward exponentiates them: ``E[exp(q(x))] != exp(x)``), and, when
+        ``tailored``, the float constants a forward makes outside the autograd graph (rotary
+        cos/sin, position biases): anything without history that is not on one of the root
+        forward's inputs."""
         mode = getattr(self._local, "mode", None)
         if mode is not None:
             if mode.depth:  # e.g. amax compares x == result
                 return True
             if created_by_attention(mode, t, storage_ptr(t)):
                 return True  # sdpa's logsumexp
-        if not self.tailored:
-            return False
         fn = t.grad_fn
-        if fn is None:
-            if t.requires_grad or not t.is_floating_point():
-                return False
-            marks = getattr(self._local, "marks", None)
-            return marks is not None and t not in marks
-        return type(fn).__name__ in _EXACT_OUTPUT_NODES
+        if fn is not None:
+            return type(fn).__name__ in _EXACT_OUTPUT_NODES
+        if not self.tailored or t.requires_grad or not t.is_floating_point():
+            return False
+        marks = getattr(self._local, "marks", None)
+        return marks is not None and t not in marks
 
     def set_inputs(self, tensors: Iterable[Any]) -> None:
         """The root forward's tensor inputs on this thread. With ``tailored``, a tensor
@@ -332,7 +366,7 @@ class SavedTensorHooks:
             if bits is None:
                 return self._passthrough(t, note=True)
             fn = t.grad_fn
-            if self.tailored and fn is not None and type(fn).__name__ in _PROBABILITY_NODES:
+            if fn is not None and type(fn).__name__ in _PROBABILITY_NODES:
                 bits = max(bits, PROBABILITY_BITS)
             bits = self._floored(t, bits)
         with torch.no_grad():
@@ -394,7 +428,7 @@ class SavedTensorHooks:
             if known is not None:  # a ReLU's own 1-bit mask: keep the nonzeros only
                 comp = ZeroValue(known, Quantize(bits, self.group_size, per_sample=False))
             else:  # outlier channels apart (some exact: backward may be nonlinear in t)
-                comp = scaled(comp, data, self.group_size, exact=True)
+                comp = self._channel_scaled(comp, t, data, inv)
                 if fn is not None and type(fn).__name__ in _RELU_NODES:
                     mask = ops.pack_mask(data != 0)
         with rng.using(self.stream):
@@ -412,6 +446,17 @@ class SavedTensorHooks:
                 self._prune()
         memory.note_saved([*stored.tensors, *(() if mask is None else (mask,))])
         return h
+
+    def _channel_scaled(
+        self, comp: Compressor, t: Tensor, data: Tensor, inv: tuple[int, ...]
+    ) -> Compressor:
+        """``comp`` with ``data``'s outlier channels apart, the largest exact: for sdpa's q
+        and k the feature dims both keep exact (:func:`actcore.attention.shared_exact_dims`),
+        while the features stay the last dim in memory order."""
+        dims = shared_exact_dims(t)
+        if dims is not None and inv[-1] == t.dim() - 1:
+            return ChannelScaled(comp, -1, exact=dims.numel(), top=dims)
+        return scaled(comp, data, self.group_size, exact=True)
 
     def _record_stats(self, key: str, bits: int, numel: int, tensors: Any, meta: Any) -> None:
         assert self.stats is not None
