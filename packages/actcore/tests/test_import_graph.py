@@ -152,3 +152,45 @@ def test_no_import_cycles() -> None:
     graph = import_graph()
     found = cycles(graph)
     assert not found, "actcore has import cycles:\n" + "\n".join(_describe(c, graph) for c in found)
+
+
+PACKAGES = Path(__file__).resolve().parents[2]
+ADAPTERS = sorted(PACKAGES.glob("act-*/src/**/*.py"))
+OPEN_MODULES = {"actcore.extend", "actcore.bench"}
+"""What an adapter may import from besides ``actcore`` itself: the extension API, and the
+benchmark package for its own ``bench`` command."""
+
+
+def _adapter_uses(path: Path) -> list[str]:
+    """Each actcore name ``path`` reaches, as ``module:name`` (``actcore:x`` for
+    ``actcore.x`` and ``from actcore import x``)."""
+    import actcore
+
+    public = set(actcore.__all__) | {"extend"}
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            inner = (a.name for a in node.names if a.name.startswith(PACKAGE + "."))
+            found += [f"{name}:*" for name in inner if name not in OPEN_MODULES]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module == PACKAGE:
+                found += [f"actcore:{a.name}" for a in node.names if a.name not in public]
+            elif node.module.startswith(PACKAGE + ".") and node.module not in OPEN_MODULES:
+                found += [f"{node.module}:{a.name}" for a in node.names]
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == PACKAGE
+            and node.attr not in public
+        ):
+            found.append(f"actcore:{node.attr}")
+    return found
+
+
+def test_adapters_use_only_the_public_api() -> None:
+    """act-hf, act-pyg and act-mm reach actcore through ``actcore``'s public names and
+    :mod:`actcore.extend` only, so the core's layout can change under them."""
+    names = {p.relative_to(PACKAGES).parts[0] for p in ADAPTERS}
+    assert names == {"act-hf", "act-mm", "act-pyg"}, names
+    private = {f"{p.relative_to(PACKAGES)}: {use}" for p in ADAPTERS for use in _adapter_uses(p)}
+    assert not private, "adapters reach actcore's internals:\n" + "\n".join(sorted(private))

@@ -28,10 +28,22 @@ import torch
 from torch import nn
 
 from actcore import ops
-from actcore.compressors import IDENTITY, Compressor, Quantize, Swap
-from actcore.config import LevelSpec, config
-from actcore.layers.functions import dropout_backward, dropout_with_mask
-from actcore.stash import CONV, choose, layer_spec, needs_saving, stash, unstash
+from actcore.extend import (
+    CONV,
+    IDENTITY,
+    Compressor,
+    LevelSpec,
+    Quantize,
+    Swap,
+    choose,
+    config,
+    dropout_backward,
+    dropout_with_mask,
+    layer_spec,
+    needs_saving,
+    stash,
+    unstash,
+)
 
 log = logging.getLogger("act_hf")
 

@@ -9,11 +9,15 @@ from dataclasses import dataclass
 from torch import nn
 
 import actcore
-from actcore.config import LevelSpec, level_spec
-from actcore.convert import default_fewbit_bits as core_default_fewbit_bits
-from actcore.fewbit.tables import check_bits
-from actcore.layers import QLayer
-from actcore.walker import Exclude
+from actcore.extend import (
+    FEWBIT_MAX_BITS,
+    Exclude,
+    LevelSpec,
+    QLayer,
+    check_bits,
+    level_spec,
+)
+from actcore.extend import default_fewbit_bits as core_default_fewbit_bits
 
 from .attention import ATTENTION_NAME, register_attention
 
@@ -124,7 +128,7 @@ def convert(
     spec = level_spec(level)
     attention = _check_attention(attention)
     if fewbit_bits is not None:
-        fewbit_bits = check_bits(fewbit_bits)
+        fewbit_bits = check_bits(fewbit_bits, high=FEWBIT_MAX_BITS)
     bits = fewbit_bits if fewbit_bits is not None else default_fewbit_bits(spec)
     actcore.convert(model, spec, exclude=exclude, fewbit_bits=bits)
     core = model.act_report

@@ -16,13 +16,22 @@ from torch import nn
 from transformers import activations as hf_activations
 from transformers.pytorch_utils import Conv1D
 
-from actcore.fewbit import TableCode, apply, get_table
-from actcore.fewbit.convert import register_activation
-from actcore.layers import QLayer, register_q_layer
-from actcore.layers.functions import guard_input, own_output
-from actcore.layers.recompute import register_recomputed
-from actcore.op_mode import call_outside_modes
-from actcore.stash import CONV, IDENTITY, stash, unstash
+from actcore.extend import (
+    CONV,
+    IDENTITY,
+    QLayer,
+    TableCode,
+    apply_code,
+    call_outside_modes,
+    get_table,
+    guard_input,
+    own_output,
+    register_activation,
+    register_q_layer,
+    register_recomputed,
+    stash,
+    unstash,
+)
 
 __all__ = ["FEWBIT_ACTIVATIONS", "Conv1DFunction", "QConv1D", "fewbit_class_for"]
 
@@ -86,7 +95,7 @@ class _FewBitHF:
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         base = super().forward  # type: ignore[misc]
-        return apply(
+        return apply_code(
             input, base, lambda: _table_code(self.fewbit_name, self.bits, self.fewbit_params)
         )
 

@@ -6,8 +6,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from actcore import LevelSpec
-from actcore.config import level_spec
+from actcore.extend import LevelSpec, level_spec
 
 from .convert import convert
 

@@ -21,7 +21,7 @@ from mmengine.model import is_model_wrapper
 from mmengine.registry import HOOKS
 
 import actcore
-from actcore.config import level_spec
+from actcore.extend import level_spec
 
 
 @HOOKS.register_module(force=True)  # force: a reloaded act_mm replaces its own class

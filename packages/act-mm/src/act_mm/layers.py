@@ -27,9 +27,7 @@ from typing import Any
 
 from mmengine.model.utils import _BatchNormXd
 
-from actcore import fewbit
-from actcore.fewbit.functional import DEFAULT_BITS
-from actcore.layers import (
+from actcore import (
     QBatchNorm1d,
     QBatchNorm2d,
     QBatchNorm3d,
@@ -37,8 +35,10 @@ from actcore.layers import (
     QGroupNorm,
     QLayerNorm,
     QSyncBatchNorm,
-    register_q_layer,
+    fewbit,
 )
+from actcore.extend import FEWBIT_DEFAULT_BITS as DEFAULT_BITS
+from actcore.extend import register_q_layer
 
 __all__ = [
     "QGELU",

@@ -34,7 +34,7 @@ from torch_geometric.data import Data
 
 from actcore import memory
 from actcore.bench import report
-from actcore.config import LEVELS, level_spec
+from actcore.extend import LEVELS, level_spec
 
 from .bench_data import PLANTED, SMALL_GRAPH, load_data, planted_partition, random_graph
 from .bench_models import (

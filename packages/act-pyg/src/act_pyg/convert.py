@@ -11,8 +11,7 @@ from torch import nn
 from torch_geometric.nn import MessagePassing
 
 import actcore
-from actcore.config import LevelSpec, level_spec
-from actcore.walker import Exclude
+from actcore.extend import Exclude, LevelSpec, check_bits, level_spec
 
 from .convs import CONVERTED, QMessagePassing, unsupported_reason
 
@@ -96,7 +95,7 @@ def convert(
     spec = level_spec(level)
     projection = _check_projection(random_projection)
     if attention_bits is not None:
-        actcore.ops.api.check_bits(attention_bits, "attention_bits")
+        check_bits(attention_bits, "attention_bits")
     report = ConversionReport(spec.name, random_projection=projection)
 
     def convert_message_passing(name: str, module: nn.Module) -> str | None:

@@ -27,8 +27,7 @@ from torch_geometric.typing import SparseTensor
 from torch_geometric.utils import add_self_loops, remove_self_loops
 
 import actcore
-from actcore.layers import ConvertedLayer
-from actcore.stash import needs_saving
+from actcore.extend import ConvertedLayer, needs_saving
 
 from .functions import GATAttention, LinearAggregation, linear
 from .graph import Graph, shared_graph

@@ -27,10 +27,21 @@ from torch import Tensor
 from torch_geometric.utils import softmax as pyg_softmax
 
 from actcore import ops
-from actcore.compressors import IDENTITY, Compressor, Quantize, Swap
-from actcore.config import config
-from actcore.layers.functions import dropout_backward, dropout_with_mask, guard_input
-from actcore.stash import CONV, choose, layer_spec, stash, unstash
+from actcore.extend import (
+    CONV,
+    IDENTITY,
+    Compressor,
+    Quantize,
+    Swap,
+    choose,
+    config,
+    dropout_backward,
+    dropout_with_mask,
+    guard_input,
+    layer_spec,
+    stash,
+    unstash,
+)
 
 from .graph import Graph
 

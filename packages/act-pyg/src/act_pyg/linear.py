@@ -15,9 +15,13 @@ from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 from torch_geometric.nn.dense.linear import Linear
 
-from actcore.layers import QLayer, register_q_layer
-from actcore.layers.functions import LinearFunction
-from actcore.layers.modules import LOWER_PRECISION, autocast_inputs  # QLinear's autocast casts
+from actcore.extend import (  # (LOWER_PRECISION, autocast_inputs: QLinear's autocast casts)
+    LOWER_PRECISION,
+    LinearFunction,
+    QLayer,
+    autocast_inputs,
+    register_q_layer,
+)
 
 __all__ = ["QPyGLinear"]
 

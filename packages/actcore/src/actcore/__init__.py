@@ -1,8 +1,11 @@
-"""ACT: activation-compressed training for PyTorch (core package)."""
+"""ACT: activation-compressed training for PyTorch (core package).
+
+Packages that add Q-layers for other frameworks build on :mod:`actcore.extend`.
+"""
 
 from __future__ import annotations
 
-from . import compressors, ops, policies, resume, rng, stash
+from . import compressors, fewbit, memory, ops, policies, resume, rng, stash
 from .config import LEVELS, Config, LevelSpec, config, set_optimization_level
 from .controller import Controller
 from .convert import ConversionReport, QModule, convert
@@ -24,6 +27,8 @@ __all__ = [
     "compressors",
     "config",
     "convert",
+    "fewbit",
+    "memory",
     "ops",
     "policies",
     "resume",
