@@ -12,7 +12,7 @@ from conftest import bn_mlp
 from torch import nn
 
 import actcore
-from actcore.adaptive import AdaptiveBits, ScoredPerSampleQuantize, _LayerStats
+from actcore.adaptive import AdaptiveBits, LayerStats, ScoredPerSampleQuantize
 from actcore.compressors import PerSampleQuantize, Quantize, sample_range_weights
 from actcore.config import config, level_spec
 
@@ -201,7 +201,7 @@ def test_normalization_layers_never_go_below_the_budget() -> None:
     scheme = AdaptiveBits(budget=2.0)
     profile = torch.tensor([4.0, 2.0, 1.0, 0.5])
     for name, sens, norm in (("lin", 1.0, False), ("ln", 1e-6, True), ("lin2", 1e-6, False)):
-        scheme.layers[name] = _LayerStats(
+        scheme.layers[name] = LayerStats(
             sens=torch.tensor(sens), profile=profile, elems=torch.tensor(10.0), norm=norm
         )
     scheme.replan()
@@ -230,7 +230,7 @@ def test_allocation_is_optimal_on_small_instances(budget: float) -> None:
     gen = torch.Generator().manual_seed(3)
     scheme = AdaptiveBits(budget=budget, max_bits=4)
     weights = (torch.rand(6, generator=gen) * 10).pow(3)
-    scheme.layers["a"] = _LayerStats(
+    scheme.layers["a"] = LayerStats(
         sens=torch.tensor(4.0),
         profile=weights.sort(descending=True).values,
         elems=torch.tensor(1.0),
@@ -391,7 +391,7 @@ def test_sample_index_gives_more_bits_to_large_gradient_samples() -> None:
 
 def test_sample_index_unseen_samples_get_batch_mean() -> None:
     scheme = AdaptiveBits(num_samples=8)
-    stats = _LayerStats()
+    stats = LayerStats()
     scheme.set_sample_index(torch.tensor([0, 1, 2, 3]))
     assert torch.equal(scheme._sample_scale(stats, "a", 4, torch.device("cpu")), torch.ones(4))
     stats.grads = torch.tensor([4.0, float("nan"), 2.0, float("nan"), 0, 0, 0, 0])

@@ -194,3 +194,23 @@ def test_adapters_use_only_the_public_api() -> None:
     assert names == {"act-hf", "act-mm", "act-pyg"}, names
     private = {f"{p.relative_to(PACKAGES)}: {use}" for p in ADAPTERS for use in _adapter_uses(p)}
     assert not private, "adapters reach actcore's internals:\n" + "\n".join(sorted(private))
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A name with a leading underscore stays in its module: what another module needs is
+    public there (``from .x import _y`` is refused, written anywhere in actcore)."""
+    found = []
+    for name, path in _modules().items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            source = _resolve(node, name, is_package)
+            if source != PACKAGE and not source.startswith(PACKAGE + "."):
+                continue
+            found += [
+                f"{name}: from {source} import {a.name}"
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")
+            ]
+    assert not found, "private names imported across modules:\n" + "\n".join(found)

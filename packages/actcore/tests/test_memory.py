@@ -55,8 +55,8 @@ def saved_by_graph(out: Tensor, exclude: list[Tensor]) -> int:
 @pytest.fixture(autouse=True)
 def _no_leftovers():
     yield
-    assert memory.saved_hooks._ACTIVE == []
-    assert memory.saved_hooks._hooks_state() == "none"
+    assert memory.saved_hooks.ACTIVE_TRACKERS == []
+    assert memory.saved_hooks.hooks_state() == "none"
 
 
 # ---- 1. hand-computed counts ---------------------------------------------------------------
@@ -264,9 +264,9 @@ def test_hook_probe_for_older_torch(monkeypatch: pytest.MonkeyPatch) -> None:
         note_saved(t)
         return t.detach()
 
-    assert memory.saved_hooks._hooks_state() == "none"
+    assert memory.saved_hooks.hooks_state() == "none"
     with track() as rep:
-        assert memory.saved_hooks._hooks_state() == "own"
+        assert memory.saved_hooks.hooks_state() == "own"
     assert rep.hooks == "own"
     with saved_tensors_hooks(pack, lambda t: t), track() as outer:
         with track() as inner:  # its probe must not reach the outer tracker
@@ -474,7 +474,7 @@ def test_sparse_tensor_counts_its_indices_and_values(layout: torch.layout) -> No
     dense = (torch.rand(500, 400, generator=g) < 0.01) * torch.randn(500, 400, generator=g)
     sparse = dense.to_sparse() if layout == torch.sparse_coo else dense.to_sparse_csr()
     sparse.requires_grad_()
-    parts = memory.storage._sparse_parts(sparse.detach())
+    parts = memory.storage.sparse_parts(sparse.detach())
     expected = sum(p.untyped_storage().nbytes() for p in parts)
     assert expected < dense.nbytes / 10  # far below the dense N x M the old count used
     x = torch.randn(400, 8, requires_grad=True)

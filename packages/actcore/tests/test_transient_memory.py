@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import actcore
-from actcore.adaptive_stats import _squared_norm
+from actcore.adaptive_stats import squared_norm
 from actcore.memory import profiled_peak_bytes
 
 
@@ -102,7 +102,7 @@ def test_batch_norm_under_bf16_autocast_makes_no_float32_map(level: str) -> None
 
 def test_squared_norm_of_bf16_copies_nothing() -> None:
     g = torch.randn(1 << 20).to(torch.bfloat16)
-    value, peak = profiled_peak_bytes(_squared_norm, g)
+    value, peak = profiled_peak_bytes(squared_norm, g)
     assert peak < 4096  # a float32 copy would take 4 MiB
     exact = g.double().square().sum()
     assert abs(value.double() - exact) <= 2 * 2.0**-8 * exact  # the norm rounded to bf16
@@ -110,7 +110,7 @@ def test_squared_norm_of_bf16_copies_nothing() -> None:
 
 def test_squared_norm_keeps_float16_finite() -> None:
     g = torch.full((1 << 12,), 60000.0, dtype=torch.float16)  # norm 3.8e6 > fp16's max
-    value = _squared_norm(g)
+    value = squared_norm(g)
     assert torch.isfinite(value)
     torch.testing.assert_close(value, torch.tensor(60000.0**2 * (1 << 12)), rtol=1e-5, atol=0)
 

@@ -15,7 +15,7 @@ position over the positions (``kernel / positions``; ``1 / (channels * positions
 normalization layers), as an exponential average over earlier steps' backward passes.
 For a linear layer the mean output gradient is weighted by where it meets large ranges:
 ``s_l`` is multiplied by the coupling ``kappa_l`` of the tokens' gradient norms and input
-ranges (:func:`_coupling`), without which the model was off by 0.3-2.1x per layer on a
+ranges (:func:`gradient_coupling`), without which the model was off by 0.3-2.1x per layer on a
 post-norm OLMo-2, enough to move bits the wrong way.
 
 A hidden state that several linears read (q/k/v or gate/up of a block whose norm comes
@@ -80,17 +80,17 @@ import torch
 from torch import nn
 
 from .adaptive_plan import (
-    _allocation_items,
-    _average_bits,
-    _plans,
-    _predicted_variance,
-    _prior_bits,
-    _rank_counts,
+    allocation_items,
+    plan_average_bits,
+    plan_prior_bits,
+    plan_variance,
+    rank_counts,
+    ranked_plans,
 )
-from .adaptive_recording import _Recording
-from .adaptive_samples import _checked_index, _sample_scale, _write_norms
-from .adaptive_state import _DEFAULT_WINDOW, _check_same_layers, _checked_state
-from .adaptive_stats import _coupling, _ema, _finite_ema, _LayerStats, _squared_norm
+from .adaptive_recording import Recording
+from .adaptive_samples import batch_sample_scale, checked_index, write_norms
+from .adaptive_state import DEFAULT_WINDOW, check_same_layers, checked_state
+from .adaptive_stats import LayerStats, ema, finite_ema, gradient_coupling, squared_norm
 from .compressors import (
     Compressor,
     PerSampleQuantize,
@@ -150,7 +150,7 @@ class AdaptiveBits:
         max_bits: int = 8,
         num_samples: int | None = None,
         sample_momentum: float = 0.0,
-        window: int = _DEFAULT_WINDOW,
+        window: int = DEFAULT_WINDOW,
     ) -> None:
         if not 1 <= min_bits <= budget <= max_bits <= 8:
             raise ValueError(
@@ -173,7 +173,7 @@ class AdaptiveBits:
         self.window = window
         self.min_bits, self.max_bits = min_bits, max_bits
         self.steps = 0
-        self.layers: dict[str, _LayerStats] = {}
+        self.layers: dict[str, LayerStats] = {}
         self.skipped = 0  # statistic updates left out for non-finite values (at last replan)
         # the same, counted on the device as updates taken, against the updates tried
         self._taken: dict[torch.device, torch.Tensor] = {}
@@ -182,7 +182,7 @@ class AdaptiveBits:
         self._task: int | bool | None = None  # the backward pass whose end is awaited
         # forward statistics of the root forward under way, applied when it returns (a
         # forward that raises adds nothing); None outside a hooked root forward
-        self._pending: list[tuple[_LayerStats, torch.Tensor, float]] | None = None
+        self._pending: list[tuple[LayerStats, torch.Tensor, float]] | None = None
         # the attached layers' weight shapes: what a loaded state must have been taken on
         self._weights: dict[str, tuple[int, ...] | None] = {}
         if model is not None:
@@ -203,7 +203,7 @@ class AdaptiveBits:
             ):
                 module.act_scheme = self
                 module.act_name = name
-                self.layers.setdefault(name, _LayerStats())
+                self.layers.setdefault(name, LayerStats())
                 lazy = nn.parameter.is_lazy(module.weight)  # no shape before its first forward
                 self._weights[name] = None if lazy else tuple(module.weight.shape)
         model.act_adaptive = self
@@ -228,7 +228,7 @@ class AdaptiveBits:
         if index is None:
             self._index = None
             return
-        self._index, end = _checked_index(index, self.num_samples)
+        self._index, end = checked_index(index, self.num_samples)
         self._index_end = max(self._index_end, end)
 
     def _device_index(self, device: torch.device) -> torch.Tensor | None:
@@ -241,13 +241,13 @@ class AdaptiveBits:
         return cached
 
     def _sample_scale(
-        self, stats: _LayerStats, name: str, n: int, device: torch.device
+        self, stats: LayerStats, name: str, n: int, device: torch.device
     ) -> torch.Tensor | None:
         """``r`` of the batch's samples from the layer's table (None without an index)."""
         index = self._device_index(device)
         if index is None:
             return None
-        stats.grads, scale = _sample_scale(
+        stats.grads, scale = batch_sample_scale(
             stats.grads, index, name, n, self.num_samples, self._index_end, device
         )
         return scale
@@ -271,14 +271,14 @@ class AdaptiveBits:
         name = getattr(layer, "act_name", None)
         if name is None or x.dim() == 0 or x.shape[0] == 0 or role not in (CONV, NORM):
             return None  # (row norms, activations: the level's own bits)
-        stats = self.layers.setdefault(name, _LayerStats())
+        stats = self.layers.setdefault(name, LayerStats())
         stats.last_step = self.steps
         # the first layer asked for x packs it; later ones reuse that packing (stored once)
         owner = records().setdefault(x).setdefault(_PLANNED_BY, name)
         stats.shares = None if owner == name else owner
         gs = config.group_size
         if stats.shares is not None and _reads_tokens(layer):
-            self.layers.setdefault(owner, _LayerStats()).readers.add(name)
+            self.layers.setdefault(owner, LayerStats()).readers.add(name)
         stats.pinned = False
         if stats.shares is None and stats.readers and _reads_tokens(layer) and mask is None:
             shared = role_bits(layer_spec(layer), ROW_NORM)
@@ -294,7 +294,7 @@ class AdaptiveBits:
             stats.zero_value = True
             q = Quantize(self._layer_bits(stats, bits), gs, per_sample=False)
             zero_value = ZeroValue(mask, q)
-            return _Recording(zero_value, self, stats, n, 0.0) if collect else zero_value
+            return Recording(zero_value, self, stats, n, 0.0) if collect else zero_value
         stats.zero_value = False
         elems = float(x[0].numel())
         counts = self._counts(stats, n, bits)
@@ -303,7 +303,7 @@ class AdaptiveBits:
             counts = _merged(tuple((max(b, floor), c) for b, c in counts))
         if len(counts) == 1:  # one width for every sample: nothing to rank
             plain = Quantize(counts[0][0], gs, per_sample=True, stochastic=config.stochastic)
-            return _Recording(plain, self, stats, n, elems, scale) if collect else plain
+            return Recording(plain, self, stats, n, elems, scale) if collect else plain
         with torch.no_grad():
             weights = sample_range_weights(x, gs)
             if scale is not None:
@@ -314,7 +314,7 @@ class AdaptiveBits:
             return ScoredPerSampleQuantize(counts, gs, config.stochastic, scores=weights)
         return PerSampleQuantize(counts, gs, config.stochastic, weights=weights)
 
-    def _take(self, stats: _LayerStats, profile: torch.Tensor, elems: float) -> None:
+    def _take(self, stats: LayerStats, profile: torch.Tensor, elems: float) -> None:
         """Average a step's range-weight profile and elements per sample into ``stats`` (once
         the root forward returns, when it runs under the model's hooks)."""
         if self._pending is not None:
@@ -322,12 +322,12 @@ class AdaptiveBits:
             return
         self._apply(stats, profile, elems)
 
-    def _apply(self, stats: _LayerStats, profile: torch.Tensor, elems: float) -> None:
-        stats.profile, stats.profile_seen, taken = _finite_ema(
+    def _apply(self, stats: LayerStats, profile: torch.Tensor, elems: float) -> None:
+        stats.profile, stats.profile_seen, taken = finite_ema(
             stats.profile, stats.profile_seen, profile, self.momentum
         )
         self._count_skip(taken)
-        stats.elems = _ema(stats.elems, torch.tensor(elems), self.momentum)
+        stats.elems = ema(stats.elems, torch.tensor(elems), self.momentum)
 
     def observe(
         self,
@@ -346,7 +346,7 @@ class AdaptiveBits:
         name = getattr(layer, "act_name", None)
         if name is None or grad.dim() < 2 or grad.numel() == 0:
             return
-        stats = self.layers.setdefault(name, _LayerStats())
+        stats = self.layers.setdefault(name, LayerStats())
         stats.norm = norm
         self._note_backward()
         index, table = self._device_index(grad.device), stats.grads
@@ -366,21 +366,21 @@ class AdaptiveBits:
         with torch.no_grad():
             g = grad.detach()
             if per_sample_table:  # squared norms per sample (one pass), then their sum
-                norms = _squared_norm(g.reshape(n, -1), dim=1)
+                norms = squared_norm(g.reshape(n, -1), dim=1)
                 total = norms.sum()
             else:
-                total = _squared_norm(g)
+                total = squared_norm(g)
             if collect:
                 sens = total * (fan / n)
                 if restored is not None and channel_dim == -1:
-                    sens = sens * _coupling(g, restored, config.group_size)
-                stats.sens, stats.sens_seen, taken = _finite_ema(
+                    sens = sens * gradient_coupling(g, restored, config.group_size)
+                stats.sens, stats.sens_seen, taken = finite_ema(
                     stats.sens, stats.sens_seen, sens, self.momentum
                 )
                 self._count_skip(taken)
             if per_sample_table:  # the batch's samples' squared gradient norms into the table
                 assert index is not None and table is not None
-                _write_norms(table, index, norms, self.sample_momentum)
+                write_norms(table, index, norms, self.sample_momentum)
 
     # --- steps and faults -------------------------------------------------------------------
 
@@ -429,33 +429,33 @@ class AdaptiveBits:
 
     def prior_bits(self, layer: Any, bits: int) -> int:
         """Bits before any plan: the level's, and two more for depthwise-like convolutions."""
-        return _prior_bits(layer, bits, self.budget, self.max_bits)
+        return plan_prior_bits(layer, bits, self.budget, self.max_bits)
 
-    def _counts(self, stats: _LayerStats, n: int, bits: int) -> tuple[tuple[int, int], ...]:
+    def _counts(self, stats: LayerStats, n: int, bits: int) -> tuple[tuple[int, int], ...]:
         """``(bits, samples)`` for a batch of ``n``, most bits first."""
-        return _rank_counts(stats.plan, n, bits)
+        return rank_counts(stats.plan, n, bits)
 
-    def _layer_bits(self, stats: _LayerStats, bits: int) -> int:
+    def _layer_bits(self, stats: LayerStats, bits: int) -> int:
         return stats.plan[0] if stats.plan else bits
 
     def _items(self) -> list[tuple[str, int, float, float]]:
         """``(layer, rank, weight, cost)`` of every allocation unit (host values)."""
-        return _allocation_items(self.layers, self.steps, self.window)
+        return allocation_items(self.layers, self.steps, self.window)
 
     def replan(self) -> None:
         """Recompute the plan from the statistics so far (reads them back: one sync)."""
         self._read_skipped()
-        plans = _plans(self.layers, self._items(), self.budget, self.min_bits, self.max_bits)
+        plans = ranked_plans(self.layers, self._items(), self.budget, self.min_bits, self.max_bits)
         for name, plan in plans.items():
             self.layers[name].plan = plan
 
     def predicted_variance(self, plan: dict[str, list[int]] | None = None) -> float:
         """``sum V_li(b_li)`` for ``plan`` (layer -> bits by rank; default: the current)."""
-        return _predicted_variance(self.layers, self._items(), plan)
+        return plan_variance(self.layers, self._items(), plan)
 
     def average_bits(self) -> float:
         """Cost-weighted average bits of the current plan."""
-        return _average_bits(self.layers, self._items())
+        return plan_average_bits(self.layers, self._items())
 
     # --- state ------------------------------------------------------------------------------
 
@@ -494,11 +494,11 @@ class AdaptiveBits:
             },
         }
 
-    def check_state(self, state: Any) -> tuple[tuple, dict[str, _LayerStats]]:
+    def check_state(self, state: Any) -> tuple[tuple, dict[str, LayerStats]]:
         """``state``'s values, checked (types, ranges, plans) and taken on this scheme's
         layers (names and weight shapes); ValueError/TypeError/KeyError, nothing changed."""
-        top, layers = _checked_state(state)
-        _check_same_layers(state, layers, self._weights)
+        top, layers = checked_state(state)
+        check_same_layers(state, layers, self._weights)
         return top, layers
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

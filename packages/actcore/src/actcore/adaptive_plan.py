@@ -1,12 +1,12 @@
 """The plan of adaptive bits: from the per-layer statistics to bits by rank (host values).
 
 The variance model and the problem it poses are :mod:`actcore.adaptive`'s ("Allocation");
-these are its steps. :func:`_allocation_items` turns the layers' statistics into allocation
+these are its steps. :func:`allocation_items` turns the layers' statistics into allocation
 units ``(layer, rank, weight, cost)`` (reading them back: the one sync of a replan),
-:func:`_plans` hands the units bits with the one allocator (:mod:`actcore.bit_allocation`),
-normalization layers starting at the budget; :func:`_rank_counts` spreads a layer's bits by
-rank over a batch, :func:`_prior_bits` gives the bits before any plan, and
-:func:`_predicted_variance`, :func:`_average_bits` say what a plan predicts and costs.
+:func:`ranked_plans` hands the units bits with the one allocator (:mod:`actcore.bit_allocation`),
+normalization layers starting at the budget; :func:`rank_counts` spreads a layer's bits by
+rank over a batch, :func:`plan_prior_bits` gives the bits before any plan, and
+:func:`plan_variance`, :func:`plan_average_bits` say what a plan predicts and costs.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import math
 from collections import Counter
 from typing import Any
 
-from .adaptive_stats import _finite, _LayerStats
+from .adaptive_stats import LayerStats, has_finite
 from .bit_allocation import allocate, variance
 
 __all__: list[str] = []
 
 
-def _prior_bits(layer: Any, bits: int, budget: float, max_bits: int) -> int:
+def plan_prior_bits(layer: Any, bits: int, budget: float, max_bits: int) -> int:
     """Bits before any plan: the level's, and two more for depthwise-like convolutions.
 
     A weight of a grouped convolution with a small fan-in (``in_channels / groups *
@@ -38,7 +38,7 @@ def _prior_bits(layer: Any, bits: int, budget: float, max_bits: int) -> int:
     return bits
 
 
-def _rank_counts(plan: list[int], n: int, bits: int) -> tuple[tuple[int, int], ...]:
+def rank_counts(plan: list[int], n: int, bits: int) -> tuple[tuple[int, int], ...]:
     """``(bits, samples)`` for a batch of ``n`` under a layer's ``plan``, most bits first."""
     if not plan:
         return ((bits, n),)
@@ -47,8 +47,8 @@ def _rank_counts(plan: list[int], n: int, bits: int) -> tuple[tuple[int, int], .
     return tuple(sorted(Counter(by_rank).items(), reverse=True))
 
 
-def _allocation_items(
-    layers: dict[str, _LayerStats], steps: int, window: int
+def allocation_items(
+    layers: dict[str, LayerStats], steps: int, window: int
 ) -> list[tuple[str, int, float, float]]:
     """``(layer, rank, weight, cost)`` of every allocation unit (host values)."""
     # A layer reusing another's stored input (k/v beside q, up beside gate) has no
@@ -56,7 +56,7 @@ def _allocation_items(
     # sensitivity adds to the owner's.
     shared: dict[str, float] = {}
     for st in layers.values():
-        if st.shares is not None and st.profile is None and _finite(st.sens, st.sens_seen):
+        if st.shares is not None and st.profile is None and has_finite(st.sens, st.sens_seen):
             shared[st.shares] = shared.get(st.shares, 0.0) + float(st.sens)
     items = []
     for name, st in layers.items():
@@ -77,8 +77,8 @@ def _allocation_items(
     return items
 
 
-def _plans(
-    layers: dict[str, _LayerStats],
+def ranked_plans(
+    layers: dict[str, LayerStats],
     items: list[tuple[str, int, float, float]],
     budget: float,
     min_bits: int,
@@ -103,8 +103,8 @@ def _plans(
     return {name: sorted((b for _, b in ranked), reverse=True) for name, ranked in plans.items()}
 
 
-def _predicted_variance(
-    layers: dict[str, _LayerStats],
+def plan_variance(
+    layers: dict[str, LayerStats],
     items: list[tuple[str, int, float, float]],
     plan: dict[str, list[int]] | None,
 ) -> float:
@@ -118,8 +118,8 @@ def _predicted_variance(
     return total
 
 
-def _average_bits(
-    layers: dict[str, _LayerStats], items: list[tuple[str, int, float, float]]
+def plan_average_bits(
+    layers: dict[str, LayerStats], items: list[tuple[str, int, float, float]]
 ) -> float:
     """Cost-weighted average bits of the layers' plans."""
     num = den = 0.0

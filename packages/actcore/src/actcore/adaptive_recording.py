@@ -1,4 +1,4 @@
-"""Adaptive bits' statistics tap: :class:`_Recording` wraps the compressor the plan chose
+"""Adaptive bits' statistics tap: :class:`Recording` wraps the compressor the plan chose
 and reports what it packed to the scheme, whose statistics then come from the quantizer's
 own per-group steps (no pass over the tensor of its own)."""
 
@@ -9,27 +9,27 @@ from typing import Any, Protocol
 
 import torch
 
-from .adaptive_stats import _LayerStats
+from .adaptive_stats import LayerStats
 from .compressors import Compressor, Quantize, Tensors, ZeroValue
 
 __all__: list[str] = []
 
 
 class _Recorder(Protocol):
-    """What a :class:`_Recording` reports to (:class:`~actcore.adaptive.AdaptiveBits`)."""
+    """What a :class:`Recording` reports to (:class:`~actcore.adaptive.AdaptiveBits`)."""
 
-    def _take(self, stats: _LayerStats, profile: torch.Tensor, elems: float) -> None: ...
+    def _take(self, stats: LayerStats, profile: torch.Tensor, elems: float) -> None: ...
 
 
 @dataclass(frozen=True, eq=False)
-class _Recording(Compressor):
+class Recording(Compressor):
     """``inner``, handing the statistics of what it packed to the scheme's ``_take`` (read
     off the quantizer's own per-group steps, no pass over the tensor of its own). Packs,
     unpacks and compares as ``inner``."""
 
     inner: Compressor
     scheme: _Recorder
-    stats: _LayerStats
+    stats: LayerStats
     samples: int
     elems: float  # elements stored per sample (zero-value: counted from the payload)
     scale: torch.Tensor | None = None  # per-sample gradient weights (set_sample_index)
@@ -84,7 +84,7 @@ class _Recording(Compressor):
         return self.inner.key()
 
     def __eq__(self, other: object) -> bool:
-        inner = other.inner if isinstance(other, _Recording) else other
+        inner = other.inner if isinstance(other, Recording) else other
         return self.inner == inner
 
     def __hash__(self) -> int:

@@ -2,9 +2,9 @@
 
 A batch's dataset indices (:meth:`~actcore.adaptive.AdaptiveBits.set_sample_index`) select
 entries of a table per layer holding each dataset sample's squared output-gradient norm
-``g`` (NaN: never seen). :func:`_checked_index` checks a batch's indices,
-:func:`_sample_scale` reads the batch's weights ``r_i = g_i / mean_batch(g)`` off a layer's
-table (growing it), :func:`_write_norms` writes a backward's norms into it; all on the
+``g`` (NaN: never seen). :func:`checked_index` checks a batch's indices,
+:func:`batch_sample_scale` reads the batch's weights ``r_i = g_i / mean_batch(g)`` off a layer's
+table (growing it), :func:`write_norms` writes a backward's norms into it; all on the
 device, with no host reads. The model is in :mod:`actcore.adaptive`.
 """
 
@@ -17,7 +17,7 @@ import torch
 __all__: list[str] = []
 
 
-def _checked_index(index: object, num_samples: int | None) -> tuple[torch.Tensor, int]:
+def checked_index(index: object, num_samples: int | None) -> tuple[torch.Tensor, int]:
     """A batch's indices as int64 and 1 + the largest (0 if none); TypeError/ValueError if bad.
 
     Reads the values: free for a host tensor (as a DataLoader yields), one synchronisation
@@ -40,7 +40,7 @@ def _checked_index(index: object, num_samples: int | None) -> tuple[torch.Tensor
     return index.detach().long(), end
 
 
-def _sample_scale(
+def batch_sample_scale(
     table: torch.Tensor | None,
     index: torch.Tensor,
     layer: str,
@@ -71,7 +71,7 @@ def _sample_scale(
     return table, torch.where(mean > 0, filled / mean, torch.ones_like(filled))
 
 
-def _write_norms(
+def write_norms(
     table: torch.Tensor, index: torch.Tensor, norms: torch.Tensor, momentum: float
 ) -> None:
     """The batch's samples' squared gradient norms into ``table``, averaged with ``momentum``

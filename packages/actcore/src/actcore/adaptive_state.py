@@ -1,6 +1,6 @@
 """Checking a saved :class:`~actcore.adaptive.AdaptiveBits` state before any of it is used.
 
-:func:`_checked_state` reads and checks every value of a state (types, ranges, the plans
+:func:`checked_state` reads and checks every value of a state (types, ranges, the plans
 against the statistics), so that ``load_state_dict``, and a resume that only checks, change
 nothing on a bad one: a ValueError, TypeError or KeyError names what is wrong.
 """
@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from .adaptive_stats import _LayerStats
+from .adaptive_stats import LayerStats
 
 __all__: list[str] = []  # private to actcore.adaptive
 
-_DEFAULT_WINDOW = 4  # AdaptiveBits' window (and that of states saved before it had one)
+DEFAULT_WINDOW = 4  # AdaptiveBits' window (and that of states saved before it had one)
 
 
 def _number(state: dict[str, Any], key: str, kind: type, default: Any = None) -> Any:
@@ -42,7 +42,7 @@ def _tensor(entry: dict[str, Any], key: str, name: str, dim: int | None) -> torc
     return value
 
 
-def _checked_state(state: Any) -> tuple[tuple, dict[str, _LayerStats]]:
+def checked_state(state: Any) -> tuple[tuple, dict[str, LayerStats]]:
     """The values of an AdaptiveBits state, checked; ValueError/TypeError/KeyError if bad."""
     if not isinstance(state, dict):
         raise TypeError(f"AdaptiveBits state must be a dict, got {type(state).__name__}")
@@ -56,7 +56,7 @@ def _checked_state(state: Any) -> tuple[tuple, dict[str, _LayerStats]]:
     interval = _number(state, "interval", int)
     if interval < 1:
         raise ValueError(f"AdaptiveBits state interval must be a positive int, got {interval}")
-    window = _number(state, "window", int, _DEFAULT_WINDOW)
+    window = _number(state, "window", int, DEFAULT_WINDOW)
     if window < 1:
         raise ValueError(f"AdaptiveBits state window must be a positive int, got {window}")
     momentum = _number(state, "momentum", float)
@@ -100,7 +100,7 @@ def _checked_state(state: Any) -> tuple[tuple, dict[str, _LayerStats]]:
     return (*top, skipped), layers
 
 
-def _checked_layer(name: str, entry: dict[str, Any], min_bits: int, max_bits: int) -> _LayerStats:
+def _checked_layer(name: str, entry: dict[str, Any], min_bits: int, max_bits: int) -> LayerStats:
     sens = _tensor(entry, "sens", name, 0)
     profile = _tensor(entry, "profile", name, 1)
     elems = _tensor(entry, "elems", name, 0)
@@ -146,7 +146,7 @@ def _checked_layer(name: str, entry: dict[str, Any], min_bits: int, max_bits: in
         if t is not None and (t.is_floating_point() or int(t) < 0):
             raise ValueError(f"layer {name!r}: {key} must be a count >= 0")
         seen[key] = t
-    return _LayerStats(
+    return LayerStats(
         sens=sens,
         profile=profile,
         elems=elems,
@@ -159,9 +159,9 @@ def _checked_layer(name: str, entry: dict[str, Any], min_bits: int, max_bits: in
     )
 
 
-def _check_same_layers(
+def check_same_layers(
     state: dict[str, Any],
-    layers: dict[str, _LayerStats],
+    layers: dict[str, LayerStats],
     weights: dict[str, tuple[int, ...] | None],
 ) -> None:
     """ValueError unless ``state`` was taken on the layers this scheme is attached to

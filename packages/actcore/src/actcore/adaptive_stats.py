@@ -1,9 +1,9 @@
 """Per-layer statistics of adaptive bits: what a layer keeps, and how a step's values enter.
 
-:class:`_LayerStats` holds one layer's running statistics (device tensors) and its plan (host
-ints); :func:`_ema` and :func:`_finite_ema` take a step's value into an exponential average
-on the device (a non-finite value left out and reported, with no host sync), :func:`_finite`
-reads whether one holds a finite value (at replans only); :func:`_coupling` is the factor
+:class:`LayerStats` holds one layer's running statistics (device tensors) and its plan (host
+ints); :func:`ema` and :func:`finite_ema` take a step's value into an exponential average
+on the device (a non-finite value left out and reported, with no host sync), :func:`has_finite`
+reads whether one holds a finite value (at replans only); :func:`gradient_coupling` is the factor
 ``kappa`` of a linear layer's sensitivity. The variance model they feed is in
 :mod:`actcore.adaptive`.
 """
@@ -19,7 +19,7 @@ __all__: list[str] = []
 
 
 @dataclass
-class _LayerStats:
+class LayerStats:
     """Running statistics and plan of one layer (device tensors, host plan)."""
 
     sens: torch.Tensor | None = None  # scalar: sensitivity s_l
@@ -38,14 +38,14 @@ class _LayerStats:
     profile_seen: torch.Tensor | None = None
 
 
-def _ema(old: torch.Tensor | None, new: torch.Tensor, momentum: float) -> torch.Tensor:
+def ema(old: torch.Tensor | None, new: torch.Tensor, momentum: float) -> torch.Tensor:
     new = new.detach().float()
     if old is None or old.shape != new.shape or old.device != new.device:
         return new.clone()
     return old.mul_(momentum).add_(new, alpha=1 - momentum)
 
 
-def _squared_norm(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def squared_norm(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """``|t|^2`` (along ``dim``, else whole) as float32. The norm accumulates in float32 in
     every case; a ``dtype=`` argument would first copy the whole tensor to it, so only
     float16 (whose norm may overflow) takes that copy, and float64 keeps its own precision
@@ -55,7 +55,7 @@ def _squared_norm(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return torch.linalg.vector_norm(t, dim=dim).float().square()
 
 
-def _finite_ema(
+def finite_ema(
     old: torch.Tensor | None,
     seen: torch.Tensor | None,
     new: torch.Tensor,
@@ -85,12 +85,12 @@ def _finite_ema(
     return old, seen, taken
 
 
-def _finite(value: torch.Tensor | None, seen: torch.Tensor | None) -> bool:
+def has_finite(value: torch.Tensor | None, seen: torch.Tensor | None) -> bool:
     """Whether a statistic has a finite value (host read: at replans only)."""
     return value is not None and (seen is None or int(seen) > 0) and math.isfinite(float(value))
 
 
-def _coupling(grad: torch.Tensor, restored: torch.Tensor, group_size: int) -> torch.Tensor:
+def gradient_coupling(grad: torch.Tensor, restored: torch.Tensor, group_size: int) -> torch.Tensor:
     """``kappa``: a linear layer's weight-gradient error over what the mean gradient predicts.
 
     The error stochastic rounding of input position ``t`` (a token) adds to the weight
@@ -123,6 +123,6 @@ def _coupling(grad: torch.Tensor, restored: torch.Tensor, group_size: int) -> to
     else:
         per_element = ranges.repeat_interleave(group_size, 1)[:, :size]
         spread = per_element.view(n, positions, channels).sum(-1)
-    energy = _squared_norm(grad.detach().reshape(n, positions, -1), dim=-1)
+    energy = squared_norm(grad.detach().reshape(n, positions, -1), dim=-1)
     expected = energy.mean() * spread.sum()
     return torch.where(expected > 0, (energy * spread).sum() / expected, one)

@@ -94,7 +94,7 @@ def _table() -> dict[Any, _Predicate]:
 _NEEDS_EXACT = _table()
 
 
-def _lookup(func: Any) -> _Predicate | None:
+def exact_check(func: Any) -> _Predicate | None:
     try:
         return _NEEDS_EXACT.get(func)
     except TypeError:  # an unhashable callable: none of ours
@@ -103,7 +103,7 @@ def _lookup(func: Any) -> _Predicate | None:
 
 def needs_exact_saves(func: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
     """Whether ``func(*args, **kwargs)``'s backward needs its saved tensors exact."""
-    check = _lookup(func)
+    check = exact_check(func)
     return check is not None and check(args, kwargs or {})
 
 
@@ -118,7 +118,7 @@ class ExactOps(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        check = _lookup(func)
+        check = exact_check(func)
         if check is None or not check(args, kwargs):
             return func(*args, **kwargs)
         self.depth += 1

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .exact_ops import ExactOps, _lookup
+from .exact_ops import ExactOps, exact_check
 
 __all__ = [
     "ATTENTION_FUNCTIONS",
@@ -210,7 +210,7 @@ class OpMode(ExactOps):
         kwargs = kwargs or {}
         if self.suspended is not None and self.suspended():
             return func(*args, **kwargs)
-        check = _lookup(func) if self.exact else None
+        check = exact_check(func) if self.exact else None
         if check is not None and check(args, kwargs):
             self.depth += 1
             try:

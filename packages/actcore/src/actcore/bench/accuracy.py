@@ -203,7 +203,7 @@ def show(cfg: AccuracyConfig, rows: list[dict[str, Any]]) -> None:
 
 def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add ``bench accuracy``."""
-    from .memory import _positive
+    from .memory import positive_int
 
     p = subparsers.add_parser(
         "accuracy",
@@ -213,9 +213,9 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
     )
     p.add_argument("--task", choices=TASKS, default="digits")
     p.add_argument("--levels", default="fp,L2,L3", help="comma-separated levels (fp: no ACT)")
-    p.add_argument("--seeds", type=_positive, default=3, help="seeds 0..N-1 (default 3)")
-    p.add_argument("--epochs", type=_positive, default=AccuracyConfig.epochs)
-    p.add_argument("--batch", type=_positive, default=AccuracyConfig.batch)
+    p.add_argument("--seeds", type=positive_int, default=3, help="seeds 0..N-1 (default 3)")
+    p.add_argument("--epochs", type=positive_int, default=AccuracyConfig.epochs)
+    p.add_argument("--batch", type=positive_int, default=AccuracyConfig.batch)
     p.add_argument("--lr", type=float, default=AccuracyConfig.lr)
     p.add_argument("--route", choices=["layers", "hooks"], default="layers")
     common(p)
@@ -223,10 +223,10 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
 
 
 def _validate(args: argparse.Namespace) -> None:
-    from .memory import _split
+    from .memory import split_items
     from .routes import check_levels
 
-    args.levels = check_levels(_split(args.levels), args.route)
+    args.levels = check_levels(split_items(args.levels), args.route)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -26,15 +26,15 @@ FALLBACK_MODEL = "tiny-cnn"  # when torchvision is missing
 
 def add_arguments(p: argparse.ArgumentParser, common: Callable[[argparse.ArgumentParser], None]):
     """The demo's options (shared by ``actcore demo`` and ``actcore bench``)."""
-    from .memory import _positive
+    from .memory import positive_int
 
     p.add_argument("--model", default=None, help=f"memory part's model (default {DEFAULT_MODEL})")
-    p.add_argument("--batch", type=_positive, default=4, help="memory part's batch (default 4)")
-    p.add_argument("--image-size", type=_positive, default=None, help="default: the model's")
+    p.add_argument("--batch", type=positive_int, default=4, help="memory part's batch (default 4)")
+    p.add_argument("--image-size", type=positive_int, default=None, help="default: the model's")
     p.add_argument("--levels", default="L0,L1,L2,L3", help="memory part's levels")
     p.add_argument("--accuracy-levels", default="fp,L3", help="accuracy part's levels")
-    p.add_argument("--epochs", type=_positive, default=accuracy.AccuracyConfig.epochs)
-    p.add_argument("--seeds", type=_positive, default=1)
+    p.add_argument("--epochs", type=positive_int, default=accuracy.AccuracyConfig.epochs)
+    p.add_argument("--seeds", type=positive_int, default=1)
     common(p)
     # one thread: fast enough here (small batch, tiny CNN), and robust on a shared machine,
     # where two threads waiting on each other can make each op many times slower
@@ -42,13 +42,13 @@ def add_arguments(p: argparse.ArgumentParser, common: Callable[[argparse.Argumen
 
 
 def _validate(args: argparse.Namespace) -> None:
-    from .memory import _split
+    from .memory import split_items
 
     if args.model is None:
         args.model = DEFAULT_MODEL if torchvision_models() else FALLBACK_MODEL
     check_model(args.model)
-    args.levels = check_levels(_split(args.levels))
-    args.accuracy_levels = check_levels(_split(args.accuracy_levels))
+    args.levels = check_levels(split_items(args.levels))
+    args.accuracy_levels = check_levels(split_items(args.accuracy_levels))
 
 
 def configs(args: argparse.Namespace) -> tuple[memory.MemoryConfig, accuracy.AccuracyConfig]:

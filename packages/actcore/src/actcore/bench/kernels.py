@@ -20,7 +20,7 @@ from .. import ops
 from ..ops.api import check_group_size
 from . import report
 from .maxbatch import EXIT_NO_GPU, on_cuda_or_explain
-from .memory import _positive, _split
+from .memory import positive_int, split_items
 
 __all__ = ["COLUMNS", "DTYPES", "KernelConfig", "main", "register", "run", "time_cuda"]
 
@@ -133,8 +133,8 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
     p.add_argument("--sizes", default="1048576,16777216,67108864", help="elements per tensor")
     p.add_argument("--bits", default="1,2,4,8", help="comma-separated bits in 1..8")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
-    p.add_argument("--group-size", type=_positive, default=256)
-    p.add_argument("--iters", type=_positive, default=20)
+    p.add_argument("--group-size", type=positive_int, default=256)
+    p.add_argument("--iters", type=positive_int, default=20)
     p.add_argument("--device", default="cuda")
     common(p)
     p.set_defaults(func=main, validate=_validate)
@@ -144,7 +144,7 @@ def _ints(text: str | list[int], name: str, low: int, high: int | None = None) -
     if isinstance(text, list):
         return text
     try:
-        values = [int(v) for v in _split(text)]
+        values = [int(v) for v in split_items(text)]
     except ValueError:
         values = []
     if not values or any(v < low or (high is not None and v > high) for v in values):

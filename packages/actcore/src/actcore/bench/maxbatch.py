@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import report
-from .memory import AMP_DTYPES, _positive, _split, resolve_device
+from .memory import AMP_DTYPES, positive_int, resolve_device, split_items
 from .models import build_model, check_model, default_image_size, logits
 from .routes import FP, applied, check_levels
 
@@ -178,9 +178,9 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
     p.add_argument("--levels", "--level", dest="levels", default="fp,L3", help="comma-separated")
     p.add_argument("--route", choices=["layers", "hooks"], default="layers")
     p.add_argument("--amp", choices=list(AMP_DTYPES), default="none")
-    p.add_argument("--image-size", type=_positive, default=None)
-    p.add_argument("--start", type=_positive, default=8, help="first batch tried (default 8)")
-    p.add_argument("--limit", type=_positive, default=1 << 16, help="largest batch tried")
+    p.add_argument("--image-size", type=positive_int, default=None)
+    p.add_argument("--start", type=positive_int, default=8, help="first batch tried (default 8)")
+    p.add_argument("--limit", type=positive_int, default=1 << 16, help="largest batch tried")
     p.add_argument("--device", default="cuda")
     common(p)
     p.set_defaults(func=main, validate=_validate)
@@ -188,7 +188,7 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
 
 def _validate(args: argparse.Namespace) -> None:
     check_model(args.model)
-    args.levels = check_levels(_split(args.levels), args.route)
+    args.levels = check_levels(split_items(args.levels), args.route)
 
 
 def main(args: argparse.Namespace) -> int:

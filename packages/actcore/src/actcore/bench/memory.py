@@ -213,7 +213,7 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="resnet50", help="torchvision or built-in model name")
-    p.add_argument("--batch", type=_positive, default=32, help="batch size (default 32)")
+    p.add_argument("--batch", type=positive_int, default=32, help="batch size (default 32)")
     p.add_argument(
         "--levels",
         default="L0,L1,L2,L3",
@@ -221,15 +221,15 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
     )
     p.add_argument("--route", choices=["layers", "hooks"], default="layers")
     p.add_argument("--amp", choices=list(AMP_DTYPES), default="none", help="autocast dtype")
-    p.add_argument("--image-size", type=_positive, default=None, help="input height and width")
-    p.add_argument("--steps", type=_positive, default=3, help="timed steps per level")
+    p.add_argument("--image-size", type=positive_int, default=None, help="input height and width")
+    p.add_argument("--steps", type=positive_int, default=3, help="timed steps per level")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, ...")
     p.add_argument("--seed", type=int, default=0)
     common(p)
     p.set_defaults(func=main, validate=_validate)
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -242,14 +242,14 @@ def _positive(text: str) -> int:
 def _validate(args: argparse.Namespace) -> None:
     from .routes import check_levels
 
-    args.levels = check_levels(_split(args.levels), args.route)
+    args.levels = check_levels(split_items(args.levels), args.route)
     from .models import check_model
 
     check_model(args.model)
     resolve_device(args.device)
 
 
-def _split(text: str | list[str]) -> list[str]:
+def split_items(text: str | list[str]) -> list[str]:
     if isinstance(text, list):
         return text
     return [part.strip() for part in text.split(",") if part.strip()]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from . import report
-from .memory import MemoryConfig, _positive, _split, measure_level, resolve_device
+from .memory import MemoryConfig, measure_level, positive_int, resolve_device, split_items
 from .models import check_model, default_image_size
 from .routes import check_levels
 
@@ -150,8 +150,8 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
     p.add_argument("--batches", default="2,4,8", help="comma-separated batch sizes")
     p.add_argument("--route", choices=["layers", "hooks"], default="layers")
     p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none")
-    p.add_argument("--image-size", type=_positive, default=None)
-    p.add_argument("--steps", type=_positive, default=2, help="timed steps per point")
+    p.add_argument("--image-size", type=positive_int, default=None)
+    p.add_argument("--steps", type=positive_int, default=2, help="timed steps per point")
     p.add_argument("--device", default="auto")
     p.add_argument("--png", default="actcore-sweep.png", help="where the plot goes")
     common(p)
@@ -160,7 +160,7 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
 
 def _batches(text: str) -> list[int]:
     try:
-        values = [int(part) for part in _split(text)]
+        values = [int(part) for part in split_items(text)]
     except ValueError:
         raise ValueError(f"--batches takes positive integers, got {text!r}") from None
     if not values or any(v <= 0 for v in values):
@@ -170,7 +170,7 @@ def _batches(text: str) -> list[int]:
 
 def _validate(args: argparse.Namespace) -> None:
     check_model(args.model)
-    args.levels = check_levels(_split(args.levels), args.route)
+    args.levels = check_levels(split_items(args.levels), args.route)
     args.batches = _batches(args.batches) if isinstance(args.batches, str) else args.batches
     resolve_device(args.device)
 

@@ -121,7 +121,7 @@ def run(
 
 def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add ``bench train``."""
-    from .memory import _positive
+    from .memory import positive_int
 
     p = subparsers.add_parser(
         "train",
@@ -157,16 +157,16 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
         help="comma-separated: fp, layer-route levels (L2, L3, ...), hooks:LEVEL, default "
         f"(default {DEFAULT_LEVELS})",
     )
-    p.add_argument("--seeds", type=_positive, default=1, help="seeds 0..N-1 (default 1)")
-    p.add_argument("--steps", type=_positive, default=None, help="training steps")
-    p.add_argument("--eval-interval", type=_positive, default=None, help="steps between evals")
+    p.add_argument("--seeds", type=positive_int, default=1, help="seeds 0..N-1 (default 1)")
+    p.add_argument("--steps", type=positive_int, default=None, help="training steps")
+    p.add_argument("--eval-interval", type=positive_int, default=None, help="steps between evals")
     p.add_argument(
         "--eval-batches",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="shakespeare-char: held-out batches of 64 sequences per evaluation",
     )
-    p.add_argument("--batch", type=_positive, default=None, help="training batch size")
+    p.add_argument("--batch", type=positive_int, default=None, help="training batch size")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate")
     p.add_argument(
         "--quick", action="store_true", help="a few hundred steps and a smaller evaluation"

@@ -175,9 +175,9 @@ def fewbit_target_of(cls: type) -> tuple[type[nn.Module] | None, bool]:
 
 def is_fewbit(module: nn.Module) -> bool:
     """Whether ``module`` is already a few-bit activation (actcore's or a registered one)."""
-    from .modules import _FewBit
+    from .modules import FewBitActivation
 
-    if isinstance(module, _FewBit):
+    if isinstance(module, FewBitActivation):
         return True
     smooth, piecewise = _activation_tables()
     cls = type(module)

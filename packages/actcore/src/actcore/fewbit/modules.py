@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 
-class _FewBit(nn.Module):
+class FewBitActivation(nn.Module):
     """Mixin: the ``bits`` attribute and its ``repr``."""
 
     bits: int
@@ -60,7 +60,7 @@ class _FewBit(nn.Module):
 # Piecewise-linear (exact gradient from 1 bit; ``bits`` only checked).
 
 
-class ReLU(_FewBit, nn.ReLU):
+class ReLU(FewBitActivation, nn.ReLU):
     def __init__(self, inplace: bool = False, bits: int = 1) -> None:
         nn.ReLU.__init__(self, inplace)
         self._set_bits(bits)
@@ -69,7 +69,7 @@ class ReLU(_FewBit, nn.ReLU):
         return FB.relu(input, self.inplace, self.bits)
 
 
-class LeakyReLU(_FewBit, nn.LeakyReLU):
+class LeakyReLU(FewBitActivation, nn.LeakyReLU):
     def __init__(self, negative_slope: float = 0.01, inplace: bool = False, bits: int = 1):
         nn.LeakyReLU.__init__(self, negative_slope, inplace)
         self._set_bits(bits)
@@ -78,7 +78,7 @@ class LeakyReLU(_FewBit, nn.LeakyReLU):
         return FB.leaky_relu(input, self.negative_slope, self.inplace, self.bits)
 
 
-class Threshold(_FewBit, nn.Threshold):
+class Threshold(FewBitActivation, nn.Threshold):
     def __init__(self, threshold: float, value: float, inplace: bool = False, bits: int = 1):
         nn.Threshold.__init__(self, threshold, value, inplace)
         self._set_bits(bits)
@@ -87,7 +87,7 @@ class Threshold(_FewBit, nn.Threshold):
         return FB.threshold(input, self.threshold, self.value, self.inplace, self.bits)
 
 
-class Hardtanh(_FewBit, nn.Hardtanh):
+class Hardtanh(FewBitActivation, nn.Hardtanh):
     def __init__(
         self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False, bits: int = 1
     ) -> None:
@@ -98,7 +98,7 @@ class Hardtanh(_FewBit, nn.Hardtanh):
         return FB.hardtanh(input, self.min_val, self.max_val, self.inplace, self.bits)
 
 
-class ReLU6(_FewBit, nn.ReLU6):
+class ReLU6(FewBitActivation, nn.ReLU6):
     def __init__(self, inplace: bool = False, bits: int = 1) -> None:
         nn.ReLU6.__init__(self, inplace)
         self._set_bits(bits)
@@ -107,7 +107,7 @@ class ReLU6(_FewBit, nn.ReLU6):
         return FB.relu6(input, self.inplace, self.bits)
 
 
-class Hardsigmoid(_FewBit, nn.Hardsigmoid):
+class Hardsigmoid(FewBitActivation, nn.Hardsigmoid):
     def __init__(self, inplace: bool = False, bits: int = 1) -> None:
         nn.Hardsigmoid.__init__(self, inplace)
         self._set_bits(bits)
@@ -116,7 +116,7 @@ class Hardsigmoid(_FewBit, nn.Hardsigmoid):
         return FB.hardsigmoid(input, self.inplace, self.bits)
 
 
-class Hardshrink(_FewBit, nn.Hardshrink):
+class Hardshrink(FewBitActivation, nn.Hardshrink):
     def __init__(self, lambd: float = 0.5, bits: int = 1) -> None:
         nn.Hardshrink.__init__(self, lambd)
         self._set_bits(bits)
@@ -125,7 +125,7 @@ class Hardshrink(_FewBit, nn.Hardshrink):
         return FB.hardshrink(input, self.lambd, self.bits)
 
 
-class Softshrink(_FewBit, nn.Softshrink):
+class Softshrink(FewBitActivation, nn.Softshrink):
     def __init__(self, lambd: float = 0.5, bits: int = 1) -> None:
         nn.Softshrink.__init__(self, lambd)
         self._set_bits(bits)
@@ -137,7 +137,7 @@ class Softshrink(_FewBit, nn.Softshrink):
 # Continuous (optimal ``bits``-bit derivative tables).
 
 
-class CELU(_FewBit, nn.CELU):
+class CELU(FewBitActivation, nn.CELU):
     def __init__(self, alpha: float = 1.0, inplace: bool = False, bits: int = DEFAULT_BITS):
         nn.CELU.__init__(self, alpha, inplace)
         self._set_bits(bits)
@@ -146,7 +146,7 @@ class CELU(_FewBit, nn.CELU):
         return FB.celu(input, self.alpha, self.inplace, self.bits)
 
 
-class ELU(_FewBit, nn.ELU):
+class ELU(FewBitActivation, nn.ELU):
     def __init__(self, alpha: float = 1.0, inplace: bool = False, bits: int = DEFAULT_BITS):
         nn.ELU.__init__(self, alpha, inplace)
         self._set_bits(bits)
@@ -155,7 +155,7 @@ class ELU(_FewBit, nn.ELU):
         return FB.elu(input, self.alpha, self.inplace, self.bits)
 
 
-class GELU(_FewBit, nn.GELU):
+class GELU(FewBitActivation, nn.GELU):
     def __init__(self, approximate: str = "none", bits: int = DEFAULT_BITS) -> None:
         nn.GELU.__init__(self, approximate)
         self._set_bits(bits)
@@ -164,7 +164,7 @@ class GELU(_FewBit, nn.GELU):
         return FB.gelu(input, self.approximate, self.bits)
 
 
-class Hardswish(_FewBit, nn.Hardswish):
+class Hardswish(FewBitActivation, nn.Hardswish):
     def __init__(self, inplace: bool = False, bits: int = DEFAULT_BITS) -> None:
         nn.Hardswish.__init__(self, inplace)
         self._set_bits(bits)
@@ -173,7 +173,7 @@ class Hardswish(_FewBit, nn.Hardswish):
         return FB.hardswish(input, self.inplace, self.bits)
 
 
-class LogSigmoid(_FewBit, nn.LogSigmoid):
+class LogSigmoid(FewBitActivation, nn.LogSigmoid):
     def __init__(self, bits: int = DEFAULT_BITS) -> None:
         nn.LogSigmoid.__init__(self)
         self._set_bits(bits)
@@ -182,7 +182,7 @@ class LogSigmoid(_FewBit, nn.LogSigmoid):
         return FB.logsigmoid(input, self.bits)
 
 
-class Mish(_FewBit, nn.Mish):
+class Mish(FewBitActivation, nn.Mish):
     def __init__(self, inplace: bool = False, bits: int = DEFAULT_BITS) -> None:
         nn.Mish.__init__(self, inplace)
         self._set_bits(bits)
@@ -191,7 +191,7 @@ class Mish(_FewBit, nn.Mish):
         return FB.mish(input, self.inplace, self.bits)
 
 
-class SELU(_FewBit, nn.SELU):
+class SELU(FewBitActivation, nn.SELU):
     def __init__(self, inplace: bool = False, bits: int = DEFAULT_BITS) -> None:
         nn.SELU.__init__(self, inplace)
         self._set_bits(bits)
@@ -200,7 +200,7 @@ class SELU(_FewBit, nn.SELU):
         return FB.selu(input, self.inplace, self.bits)
 
 
-class Sigmoid(_FewBit, nn.Sigmoid):
+class Sigmoid(FewBitActivation, nn.Sigmoid):
     def __init__(self, bits: int = DEFAULT_BITS) -> None:
         nn.Sigmoid.__init__(self)
         self._set_bits(bits)
@@ -209,7 +209,7 @@ class Sigmoid(_FewBit, nn.Sigmoid):
         return FB.sigmoid(input, self.bits)
 
 
-class SiLU(_FewBit, nn.SiLU):
+class SiLU(FewBitActivation, nn.SiLU):
     def __init__(self, inplace: bool = False, bits: int = DEFAULT_BITS) -> None:
         nn.SiLU.__init__(self, inplace)
         self._set_bits(bits)
@@ -218,7 +218,7 @@ class SiLU(_FewBit, nn.SiLU):
         return FB.silu(input, self.inplace, self.bits)
 
 
-class Softplus(_FewBit, nn.Softplus):
+class Softplus(FewBitActivation, nn.Softplus):
     def __init__(self, beta: float = 1.0, threshold: float = 20.0, bits: int = DEFAULT_BITS):
         nn.Softplus.__init__(self, beta, threshold)
         self._set_bits(bits)
@@ -227,7 +227,7 @@ class Softplus(_FewBit, nn.Softplus):
         return FB.softplus(input, self.beta, self.threshold, self.bits)
 
 
-class Softsign(_FewBit, nn.Softsign):
+class Softsign(FewBitActivation, nn.Softsign):
     def __init__(self, bits: int = DEFAULT_BITS) -> None:
         nn.Softsign.__init__(self)
         self._set_bits(bits)
@@ -236,7 +236,7 @@ class Softsign(_FewBit, nn.Softsign):
         return FB.softsign(input, self.bits)
 
 
-class Tanh(_FewBit, nn.Tanh):
+class Tanh(FewBitActivation, nn.Tanh):
     def __init__(self, bits: int = DEFAULT_BITS) -> None:
         nn.Tanh.__init__(self)
         self._set_bits(bits)
@@ -245,7 +245,7 @@ class Tanh(_FewBit, nn.Tanh):
         return FB.tanh(input, self.bits)
 
 
-class Tanhshrink(_FewBit, nn.Tanhshrink):
+class Tanhshrink(FewBitActivation, nn.Tanhshrink):
     def __init__(self, bits: int = DEFAULT_BITS) -> None:
         nn.Tanhshrink.__init__(self)
         self._set_bits(bits)

@@ -9,10 +9,10 @@ from typing import Any
 
 from torch import nn
 
-from .graph import _is_compiling
+from .graph import compiling_now
 from .report import MemoryReport
-from .saved_hooks import _ACTIVE, _PROBE
-from .storage import _iter_tensors
+from .saved_hooks import ACTIVE_TRACKERS, PROBE
+from .storage import iter_tensors
 from .tracker import Tracker
 
 __all__ = ["measure", "note_outputs", "note_saved", "track"]
@@ -41,10 +41,10 @@ def note_saved(obj: Any) -> None:
     a list/tuple/dict of those. Call it from a pack hook with what the hook returns. It does
     nothing when no tracker is active.
     """
-    if not _ACTIVE or _PROBE["running"]:
+    if not ACTIVE_TRACKERS or PROBE["running"]:
         return
-    for t in _iter_tensors(obj):
-        for tracker in _ACTIVE:
+    for t in iter_tensors(obj):
+        for tracker in ACTIVE_TRACKERS:
             tracker._record(t, t)
 
 
@@ -54,8 +54,8 @@ def note_outputs(outputs: Any) -> None:
     Module outputs are walked automatically; call this for results computed outside tracked
     modules (e.g. with ``track()`` and no model). Does nothing when no tracker is active.
     """
-    if _ACTIVE and not _is_compiling():
-        for tracker in list(_ACTIVE):
+    if ACTIVE_TRACKERS and not compiling_now():
+        for tracker in list(ACTIVE_TRACKERS):
             tracker._note_outputs(outputs)
 
 

@@ -9,16 +9,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .storage import _iter_tensors
+from .storage import iter_tensors
 
 __all__: list[str] = []
 
-_NO_SEQ = 2**64 - 1  # sequence number of AccumulateGrad and other graph leaves
+NO_SEQ = 2**64 - 1  # sequence number of AccumulateGrad and other graph leaves
 
 _SEQ_LEAF: list[Tensor] = []
 
 
-def _next_seq() -> int | None:
+def next_seq() -> int | None:
     """Sequence number of a fresh autograd node: every later node gets a larger one."""
     if not _SEQ_LEAF:
         _SEQ_LEAF.append(torch.empty(0, requires_grad=True))
@@ -28,13 +28,13 @@ def _next_seq() -> int | None:
     return None if node is None else node._sequence_nr()
 
 
-def _is_compiling() -> bool:
+def compiling_now() -> bool:
     fn = getattr(torch.compiler, "is_compiling", None)
     return bool(fn is not None and fn())
 
 
-def _grad_fns(obj: Any, depth: int = 0) -> Iterator[Any]:
+def grad_fns(obj: Any, depth: int = 0) -> Iterator[Any]:
     """Autograd nodes behind the tensors of a (nested) output."""
-    for t in _iter_tensors(obj, depth):
+    for t in iter_tensors(obj, depth):
         if t.grad_fn is not None:
             yield t.grad_fn

@@ -24,9 +24,9 @@ class _ActiveTracker(Protocol):
 
 
 # Active trackers, outermost first. Every recorded tensor goes to all of them.
-_ACTIVE: list[_ActiveTracker] = []
+ACTIVE_TRACKERS: list[_ActiveTracker] = []
 
-# torch >= 2.8 can read the saved-tensor hook stack; older torch is probed (see _hooks_state).
+# torch >= 2.8 can read the saved-tensor hook stack; older torch is probed (see hooks_state).
 _TOP_HOOKS: Callable[..., Any] | None = getattr(
     torch._C._autograd, "_top_saved_tensors_default_hooks", None
 )
@@ -45,21 +45,21 @@ class _Saved:
         self.version = version
 
 
-_PROBE: dict[str, Any] = {"leaf": None, "running": False, "seen": False}
+PROBE: dict[str, Any] = {"leaf": None, "running": False, "seen": False}
 
 
-def _pack_hook(t: Tensor) -> _Saved:
+def pack_hook(t: Tensor) -> _Saved:
     """Record ``t`` in every active tracker; keep a detached alias (no reference cycle)."""
     alias = t.detach()
-    if _PROBE["running"] and t is _PROBE["leaf"]:
-        _PROBE["seen"] = True
+    if PROBE["running"] and t is PROBE["leaf"]:
+        PROBE["seen"] = True
     else:
-        for tracker in _ACTIVE:
+        for tracker in ACTIVE_TRACKERS:
             tracker._record(t, alias)
     return _Saved(alias, t._version)
 
 
-def _unpack_hook(saved: _Saved) -> Tensor:
+def unpack_hook(saved: _Saved) -> Tensor:
     """Return the alias, after autograd's own in-place check (hooks turn that check off)."""
     t = saved.tensor
     if t._version != saved.version:
@@ -73,7 +73,7 @@ def _unpack_hook(saved: _Saved) -> Tensor:
     return t
 
 
-def _hooks_state() -> str:
+def hooks_state() -> str:
     """Which saved-tensor hooks are on top now: 'none', 'own', 'foreign' or 'disabled'."""
     if _HOOKS_ENABLED is not None and not _HOOKS_ENABLED():
         return "disabled"
@@ -84,7 +84,7 @@ def _hooks_state() -> str:
             top = _TOP_HOOKS()
         if top is None:
             return "none"
-        return "own" if top[0] is _pack_hook else "foreign"
+        return "own" if top[0] is pack_hook else "foreign"
     return _probe_hooks()
 
 
@@ -92,18 +92,18 @@ def _probe_hooks() -> str:
     """Find the top hooks on torch < 2.8 by saving a one-element tensor (never unpacked)."""
     if torch.is_inference_mode_enabled():
         return "foreign"  # cannot tell; never override hooks we cannot see
-    if _PROBE["leaf"] is None:
-        _PROBE["leaf"] = torch.zeros(1, requires_grad=True)
-    leaf = _PROBE["leaf"]
-    _PROBE["running"], _PROBE["seen"] = True, False
+    if PROBE["leaf"] is None:
+        PROBE["leaf"] = torch.zeros(1, requires_grad=True)
+    leaf = PROBE["leaf"]
+    PROBE["running"], PROBE["seen"] = True, False
     try:
         with torch.enable_grad():
             out = leaf.mul(leaf)
     except Exception:
         return "foreign"
     finally:
-        _PROBE["running"] = False
-    if _PROBE["seen"]:
+        PROBE["running"] = False
+    if PROBE["seen"]:
         return "own"
     try:  # raises when the saved tensor already went through (foreign) default hooks
         out.grad_fn._raw_saved_self.register_hooks(torch.Tensor.detach, lambda x: x)

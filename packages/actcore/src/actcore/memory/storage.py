@@ -35,7 +35,7 @@ _COMPRESSED_SPARSE = {
 }
 
 
-def _sparse_parts(t: Tensor) -> tuple[Tensor, ...] | None:
+def sparse_parts(t: Tensor) -> tuple[Tensor, ...] | None:
     """The dense tensors a sparse tensor is made of (None for a strided or other tensor)."""
     if t.layout == torch.sparse_coo:
         return (t._indices(), t._values())
@@ -45,12 +45,12 @@ def _sparse_parts(t: Tensor) -> tuple[Tensor, ...] | None:
     return (*(getattr(t, n)() for n in names), t.values())
 
 
-def _is_param(t: Tensor) -> bool:
+def is_param(t: Tensor) -> bool:
     """True for an ``nn.Parameter`` or a view of one (e.g. ``weight.t()``)."""
     return isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
 
 
-def _iter_tensors(obj: Any, depth: int = 0) -> Iterator[Tensor]:
+def iter_tensors(obj: Any, depth: int = 0) -> Iterator[Tensor]:
     """Tensors in ``obj``: a tensor, containers of them, objects with ``tensors()``."""
     if isinstance(obj, Tensor):
         yield obj
@@ -59,11 +59,11 @@ def _iter_tensors(obj: Any, depth: int = 0) -> Iterator[Tensor]:
         return
     if isinstance(obj, (list, tuple, set, frozenset)):
         for item in obj:
-            yield from _iter_tensors(item, depth + 1)
+            yield from iter_tensors(item, depth + 1)
     elif isinstance(obj, dict):
         for item in obj.values():
-            yield from _iter_tensors(item, depth + 1)
+            yield from iter_tensors(item, depth + 1)
     elif not isinstance(obj, (nn.Module, type)):
         tensors = getattr(obj, "tensors", None)
         if callable(tensors):
-            yield from _iter_tensors(tensors(), depth + 1)
+            yield from iter_tensors(tensors(), depth + 1)

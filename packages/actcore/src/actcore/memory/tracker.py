@@ -15,10 +15,10 @@ from torch.autograd.function import BackwardCFunction
 from torch.utils.hooks import RemovableHandle
 
 from . import saved_hooks
-from .graph import _NO_SEQ, _grad_fns, _is_compiling, _next_seq
+from .graph import NO_SEQ, compiling_now, grad_fns, next_seq
 from .report import OUTSIDE, MemoryReport
-from .saved_hooks import _ACTIVE, _hooks_state, _pack_hook, _unpack_hook
-from .storage import _is_param, _iter_tensors, _sparse_parts, storage_of
+from .saved_hooks import ACTIVE_TRACKERS, hooks_state, pack_hook, unpack_hook
+from .storage import is_param, iter_tensors, sparse_parts, storage_of
 
 __all__ = ["Tracker"]
 
@@ -100,7 +100,7 @@ class Tracker:
         self._teardown()
 
     def _setup(self) -> None:
-        self._entry_seq = _next_seq() or 0
+        self._entry_seq = next_seq() or 0
         model = self.model
         if model is not None:
             tensors = [*model.parameters(), *model.buffers()]
@@ -110,9 +110,9 @@ class Tracker:
                 self.report.module_types[name] = type(module).__name__
                 self._hook_module(name, module)
         self._start_cuda()
-        state = _hooks_state()
+        state = hooks_state()
         if state == "none":
-            self._pushed = torch.autograd.graph.saved_tensors_hooks(_pack_hook, _unpack_hook)
+            self._pushed = torch.autograd.graph.saved_tensors_hooks(pack_hook, unpack_hook)
             self._pushed.__enter__()
             state = "own"
         elif state == "disabled":
@@ -123,7 +123,7 @@ class Tracker:
                 stacklevel=3,
             )
         self.report.hooks = state
-        _ACTIVE.append(self)
+        ACTIVE_TRACKERS.append(self)
 
     def _hook_module(self, name: str, module: nn.Module) -> None:
         """Register the attribution hooks; a module that refuses them (TorchScript) is skipped."""
@@ -137,11 +137,11 @@ class Tracker:
 
     def _teardown(self) -> None:
         try:
-            if self in _ACTIVE:
-                _ACTIVE.remove(self)
+            if self in ACTIVE_TRACKERS:
+                ACTIVE_TRACKERS.remove(self)
             if self._pushed is not None:
                 pushed, self._pushed = self._pushed, None
-                if saved_hooks._TOP_HOOKS is not None and _hooks_state() != "own":
+                if saved_hooks._TOP_HOOKS is not None and hooks_state() != "own":
                     warnings.warn(
                         "actcore.memory.track: the saved-tensor hooks on top at exit are not "
                         "the tracker's (hooks pushed in the block were not popped)",
@@ -170,7 +170,7 @@ class Tracker:
                     return  # a model off CUDA: no CUDA figure
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        for tracker in _ACTIVE:  # keep enclosing trackers' peaks across our reset
+        for tracker in ACTIVE_TRACKERS:  # keep enclosing trackers' peaks across our reset
             if tracker._cuda_device == device:
                 peak = torch.cuda.max_memory_allocated(device)
                 tracker._cuda_carry = max(tracker._cuda_carry, peak)
@@ -221,13 +221,13 @@ class Tracker:
 
         A sparse tensor is counted as its indices and values (each storage once).
         """
-        parts = _sparse_parts(t)
+        parts = sparse_parts(t)
         if parts is not None:
             for part in parts:
                 self._record(part, holder, owner)
             return
         key, nbytes = storage_of(t)
-        if not self.include_params and (key in self._param_keys or _is_param(t)):
+        if not self.include_params and (key in self._param_keys or is_param(t)):
             return
         self.report.num_tensors += 1
         entry = self._by_key.get(key)
@@ -248,21 +248,21 @@ class Tracker:
     def _record_ctx(self, node: Any, owner: str) -> None:
         """Record the tensors a custom Function keeps as ``ctx`` attributes."""
         for value in list(vars(node).values()):
-            for t in _iter_tensors(value):
-                for tracker in _ACTIVE:
+            for t in iter_tensors(value):
+                for tracker in ACTIVE_TRACKERS:
                     tracker._record(t, t, owner if tracker is self else None)
 
     # ---- module hooks and graph walks -------------------------------------------------------
 
     def _pre_hook(self, name: str, module: nn.Module, args: Any) -> None:
-        if _is_compiling():
+        if compiling_now():
             return
         parent = self._frames[-1].start if self._frames else self._entry_seq
-        start = _next_seq()
+        start = next_seq()
         self._frames.append(_Frame(name, parent if start is None else start))
 
     def _post_hook(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
-        if _is_compiling():
+        if compiling_now():
             return
         for i in range(len(self._frames) - 1, -1, -1):
             if self._frames[i].name == name:
@@ -271,7 +271,7 @@ class Tracker:
                 break
         else:
             return
-        self._walk([*_grad_fns(output), *frame.boundary], frame.start, frame.name)
+        self._walk([*grad_fns(output), *frame.boundary], frame.start, frame.name)
 
     def _walk(self, roots: list[Any], cutoff: int, owner: str) -> None:
         """Visit nodes created since ``cutoff`` behind ``roots``; older ones go to the parent."""
@@ -284,7 +284,7 @@ class Tracker:
                 seq = node._sequence_nr()
             except (AttributeError, RuntimeError):
                 continue
-            if seq == _NO_SEQ or seq in visited or seq < self._entry_seq:
+            if seq == NO_SEQ or seq in visited or seq < self._entry_seq:
                 continue
             if seq < cutoff:
                 boundary.append(node)
@@ -303,6 +303,6 @@ class Tracker:
     def _note_outputs(self, outputs: Any) -> None:
         if self._frames:
             frame = self._frames[-1]
-            self._walk(list(_grad_fns(outputs)), frame.start, frame.name)
+            self._walk(list(grad_fns(outputs)), frame.start, frame.name)
         else:
-            self._walk(list(_grad_fns(outputs)), self._entry_seq, self._owner())
+            self._walk(list(grad_fns(outputs)), self._entry_seq, self._owner())

@@ -40,7 +40,7 @@ import torch
 
 from . import cpu_build
 from .arches import DEFAULT_ARCH, arch_label, default_arches, gencode_flags, parse_arches
-from .compiler import _compile, _find_sources, _safe, cache_root
+from .compiler import cache_root, compile_library, find_sources, safe_name
 from .cpu_build import *  # noqa: F403 - the CPU build's names stay importable from here
 from .errors import NativeBuildError
 from .toolkit import CudaToolkit, check_torch_cuda, find_cuda_toolkit, wheel_include_dirs
@@ -100,7 +100,7 @@ class BuildPlan:
 
 def source_dir() -> Path:
     """The directory holding the C++/CUDA sources (package data, or the checkout's csrc/)."""
-    return _find_sources(SOURCES + HEADERS)
+    return find_sources(SOURCES + HEADERS)
 
 
 def plan_build(
@@ -146,7 +146,7 @@ def plan_build(
                 digest.hexdigest()[:16],
             ]
         )
-        build_dir = cache_root() / _safe(tag)
+        build_dir = cache_root() / safe_name(tag)
     return BuildPlan(
         sources=sources,
         toolkit=toolkit,
@@ -179,7 +179,7 @@ def build(plan: BuildPlan, verbose: bool = False) -> Path:
     with the compiler's output.
     """
     with _cuda_home(plan.toolkit.root):
-        return _compile(
+        return compile_library(
             EXTENSION_NAME,
             plan.sources,
             plan.build_dir,

@@ -15,7 +15,7 @@ from .errors import NativeBuildError
 __all__ = ["cache_root"]
 
 
-def _find_sources(names: Sequence[str]) -> Path:
+def find_sources(names: Sequence[str]) -> Path:
     here = Path(__file__).resolve().parent
     candidates = [here / "csrc", *(parent / "csrc" for parent in here.parents)]
     for candidate in candidates:
@@ -33,11 +33,11 @@ def cache_root() -> Path:
     return Path(base) / "actcore" / "native"
 
 
-def _safe(text: str) -> str:
+def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text)
 
 
-def _compile(
+def compile_library(
     name: str,
     sources: Sequence[Path],
     build_dir: Path,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .compiler import _compile, _find_sources, _safe, cache_root
+from .compiler import cache_root, compile_library, find_sources, safe_name
 
 __all__ = [
     "CPU_ABI_VERSION",
@@ -54,7 +54,7 @@ class CpuBuildPlan:
 
 def cpu_source_dir() -> Path:
     """The directory holding the CPU kernels' source (``cpu_kernels.cpp``)."""
-    return _find_sources(CPU_SOURCES + CPU_HEADERS)
+    return find_sources(CPU_SOURCES + CPU_HEADERS)
 
 
 def cpu_cxx_flags() -> tuple[str, ...]:
@@ -83,7 +83,7 @@ def plan_cpu_build(build_dir: str | os.PathLike | None = None) -> CpuBuildPlan:
                 digest.hexdigest()[:16],
             ]
         )
-        build_dir = cache_root() / _safe(tag)
+        build_dir = cache_root() / safe_name(tag)
     return CpuBuildPlan(
         sources=tuple(src / name for name in CPU_SOURCES),
         build_dir=Path(build_dir),
@@ -93,7 +93,7 @@ def plan_cpu_build(build_dir: str | os.PathLike | None = None) -> CpuBuildPlan:
 
 def build_cpu(plan: CpuBuildPlan, verbose: bool = False) -> Path:
     """Compile and link the CPU kernels (a no-op when cached) and load the library."""
-    return _compile(
+    return compile_library(
         CPU_EXTENSION_NAME,
         plan.sources,
         plan.build_dir,
