@@ -330,26 +330,86 @@ def test_export_of_an_l3_model_works_in_eval_and_changes_no_state(trained: bool)
 
 
 # ---------------------------------------------------------------- 3: torch.func transforms
-@pytest.mark.parametrize("level", ["L0", "L2", "L3"])
-@pytest.mark.parametrize("transform", ["grad", "vmap_grad", "jacrev"])
-def test_torch_func_transforms_get_a_clear_error(level: str, transform: str) -> None:
+def _transform_runs(model: nn.Module, params: dict, x: torch.Tensor) -> dict:
     from torch.func import functional_call, grad, jacrev, vmap
-
-    model = actcore.convert(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)), level)
-    params = dict(model.named_parameters())
 
     def loss(p: dict, x: torch.Tensor) -> torch.Tensor:
         return functional_call(model, p, (x,)).sum()
 
-    x = torch.randn(3, 4)
-    run = {
+    return {
         "grad": lambda: grad(loss)(params, x),
         "vmap_grad": lambda: vmap(grad(loss), in_dims=(None, 0))(params, x[:, None]),
         "jacrev": lambda: jacrev(lambda x: functional_call(model, params, (x,)))(x),
-    }[transform]
+    }
+
+
+def _probe_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.5), nn.LayerNorm(8), nn.Linear(8, 1)
+    )
+
+
+@pytest.mark.parametrize("level", ["L2", "L3"])
+@pytest.mark.parametrize("transform", ["grad", "vmap_grad", "jacrev"])
+def test_torch_func_transforms_get_a_clear_error(level: str, transform: str) -> None:
+    model = actcore.convert(_probe_net().eval(), level)
+    params = dict(model.named_parameters())
+    x = torch.randn(3, 4)
     with pytest.raises(RuntimeError, match=r"cannot run under torch\.func transforms"):
-        run()
+        _transform_runs(model, params, x)[transform]()
+    # a Q-layer used on its own (no converted root) says the same
+    layer = actcore.QLinear(4, 4)
+    layer.act_level = level
+    from torch.func import functional_call, grad
+
+    with pytest.raises(RuntimeError, match=r"QLinear at L\d cannot run under torch\.func"):
+        grad(lambda p: functional_call(layer, p, (x,)).sum())(dict(layer.named_parameters()))
     # the unconverted twin takes the same parameters: the way out the error names
-    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
-    grads = grad(lambda p, x: functional_call(plain, p, (x,)).sum())(params, x)
+    grads = _transform_runs(_probe_net().eval(), params, x)["grad"]()
     assert set(grads) == set(params)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap_grad", "jacrev"])
+def test_torch_func_transforms_run_at_l0_as_plain_pytorch(transform: str) -> None:
+    """L0 promises plain PyTorch: its layers (the masked and pooling ones too) run torch's
+    own forward under a transform, and the results are bitwise the plain model's."""
+    torch.manual_seed(0)
+    plain = _probe_net().eval()
+    model = actcore.convert(plain, "L0")
+    params = dict(model.named_parameters())
+    x = torch.randn(3, 4)
+    got = _transform_runs(model, params, x)[transform]()
+    want = _transform_runs(plain, params, x)[transform]()
+    if isinstance(want, dict):
+        assert want.keys() == got.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    else:
+        assert torch.equal(got, want)
+
+
+def test_torch_func_grad_of_a_converted_cnn_at_l0() -> None:
+    """Convolutions, batch norm (train mode), max pooling and ReLU at L0 under
+    ``torch.func.grad``: bitwise the plain model's gradients."""
+    from torch.func import functional_call, grad
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(8 * 2 * 2, 2),
+    )
+    model = actcore.convert(plain, "L0")
+    assert isinstance(model[0], actcore.QConv2d) and isinstance(model[3], actcore.QMaxPool2d)
+    params = dict(model.named_parameters())
+    x = torch.randn(2, 3, 12, 12)
+
+    def run(net: nn.Module) -> dict:
+        buffers = {k: b.clone() for k, b in net.named_buffers()}  # train mode updates them
+        return grad(lambda p, b: functional_call(net, (p, b), (x,)).sum())(params, buffers)
+
+    got, want = run(model), run(plain)
+    assert all(torch.equal(got[k], want[k]) for k in want)

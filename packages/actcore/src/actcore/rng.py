@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .config import config
 from .ops.noise import MASK32, SEED_LIMIT, mix32
 
 __all__ = [
@@ -139,14 +140,28 @@ def forward_raised(output: Any) -> bool:
     return output is None and sys.exc_info()[0] is not None
 
 
+def _compresses(model: torch.nn.Module) -> bool:
+    """Whether any layer of ``model`` keeps compressed tensors (a scope, or a converted layer
+    whose level compresses or swaps); at L0 every layer runs plain PyTorch."""
+    for module in model.modules():
+        if module.__dict__.get("act_scope") is not None:
+            return True
+        if hasattr(module, "act_spec"):  # a converted layer (None: the process-wide level)
+            spec = module.act_spec or config.spec
+            if spec.compresses or spec.swap:
+                return True
+    return False
+
+
 def _refuse_functorch(module: torch.nn.Module) -> None:
-    """A converted model under a torch.func transform (grad, vmap, jacrev, ...): a clear
-    error before any layer runs (its autograd Functions keep compressed tensors in state the
-    transforms do not see; torch's own errors would name neither ACT nor a way out)."""
+    """A converted model that compresses, under a torch.func transform (grad, vmap, jacrev,
+    ...): a clear error before any layer runs (its autograd Functions keep compressed tensors
+    in state the transforms do not see; torch's own errors would name neither ACT nor a way
+    out). At L0 the layers run plain PyTorch, and the transforms work."""
     if torch.compiler.is_compiling():  # no graph break for the check
         return
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    if active is not None and active():
+    if active is not None and active() and _compresses(module):
         raise RuntimeError(
             f"actcore: the converted {type(module).__name__} cannot run under torch.func "
             "transforms (grad, vmap, jacrev, ...): its layers keep compressed tensors in "

@@ -15,8 +15,15 @@ from ..stash import layer_spec, needs_saving
 __all__ = [
     "ConvertedLayer",
     "QLayer",
+    "transforms_active",
     "unsupported_reason",
 ]
+
+
+def transforms_active() -> bool:
+    """Whether a torch.func transform (grad, vmap, jacrev, ...) is running."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active is not None and active())
 
 
 class ConvertedLayer:
@@ -55,7 +62,22 @@ class QLayer(ConvertedLayer):
         # model's scope has nothing to do inside it (and would only add per-call overhead).
         # Under torch.compile it runs eagerly (a graph break): its bookkeeping keys tensors by
         # identity and draws a fresh rounding seed every call, which a trace would freeze.
+        if transforms_active():
+            self._check_transformable()
         return call_outside_modes(super().__call__, args, kwargs)  # type: ignore[misc]
+
+    def _check_transformable(self) -> None:
+        """Under a torch.func transform a layer runs plain PyTorch at L0 and refuses to run
+        at a level that compresses (its autograd Functions keep compressed tensors in state
+        the transforms do not see)."""
+        spec = layer_spec(self)
+        if spec.compresses or spec.swap:
+            raise RuntimeError(
+                f"actcore: {type(self).__name__} at {spec.name} cannot run under torch.func "
+                "transforms (grad, vmap, jacrev, ...): it keeps compressed tensors in autograd "
+                "state those transforms do not see. Run the transform at L0 or on the "
+                "unconverted model."
+            )
 
     def _compresses(self, *tensors: torch.Tensor | None) -> bool:
         spec = layer_spec(self)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..stash import needs_saving
-from .base import QLayer
+from .base import QLayer, transforms_active
 from .masked_functions import (
     DropoutFunction,
     MaskedActivationFunction,
@@ -32,7 +32,7 @@ class _QMasked(QLayer):
         raise NotImplementedError
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not needs_saving(input):
+        if not needs_saving(input) or transforms_active():  # (a transform: at L0 only)
             return super().forward(input)
         kind, param = self._kind()
         out = MaskedActivationFunction.apply(input, kind, param, self.inplace, self)
@@ -61,6 +61,6 @@ class QReLU6(_QMasked, nn.ReLU6):
 
 class QDropout(QLayer, nn.Dropout):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not (self.training and 0 < self.p < 1 and needs_saving(input)):
+        if not (self.training and 0 < self.p < 1 and needs_saving(input)) or transforms_active():
             return super().forward(input)
         return note_dropout_output(DropoutFunction.apply(input, self.p, self.inplace, self))

@@ -8,7 +8,7 @@ from torch.nn.modules.utils import _ntuple
 
 from ..stash import needs_saving
 from .autocast import autocast_inputs
-from .base import QLayer
+from .base import QLayer, transforms_active
 from .pool_functions import AvgPoolFunction, MaxPoolFunction
 
 __all__ = [
@@ -27,7 +27,7 @@ def _unsqueezed_1d(fn, input: torch.Tensor, *args) -> torch.Tensor:
 
 class _QMaxPoolNd(QLayer):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.return_indices or not needs_saving(input):
+        if self.return_indices or not needs_saving(input) or transforms_active():
             return super().forward(input)
         nd = self._nd
         tup = _ntuple(nd)
@@ -56,7 +56,7 @@ class QMaxPool3d(_QMaxPoolNd, nn.MaxPool3d):
 
 class _QAvgPoolNd(QLayer):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not needs_saving(input):
+        if not needs_saving(input) or transforms_active():  # (a transform: at L0 only)
             return super().forward(input)
         nd = self._nd
         (input,) = autocast_inputs(f"avg_pool{nd}d", input)
