@@ -413,3 +413,36 @@ def test_torch_func_grad_of_a_converted_cnn_at_l0() -> None:
 
     got, want = run(model), run(plain)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+# ---------------------------------------------------------------- 9: hooks around ACT's
+def test_hooks_around_a_compressing_forward_warn_once() -> None:
+    """A user's saved-tensor hooks (or ``save_on_cpu``) around a converted model's forward
+    see nothing of what it saves (PyTorch runs only the innermost hooks): a warning says so,
+    once per model; checkpoint's and actcore's own hooks around it are expected, no warning."""
+    import warnings
+
+    from torch.utils.checkpoint import checkpoint
+
+    model = actcore.convert(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2)), "L3")
+    x = torch.randn(4, 8, requires_grad=True)
+    seen: list[torch.Size] = []
+    hooks = torch.autograd.graph.saved_tensors_hooks(
+        lambda t: seen.append(t.shape) or t, lambda t: t
+    )
+    with pytest.warns(UserWarning, match=r"see nothing of what is saved inside"), hooks:
+        model(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autograd.graph.save_on_cpu():  # once per model: no second warning
+            model(x).sum().backward()
+        checkpoint(model, x, use_reentrant=False).sum().backward()
+        with actcore.memory.track(model):
+            model(x).sum().backward()
+        model(x).sum().backward()
+    other = actcore.convert(nn.Sequential(nn.Linear(8, 2)), "L3")
+    with (
+        pytest.warns(UserWarning, match=r"torch\.autograd\.graph"),
+        torch.autograd.graph.save_on_cpu(),
+    ):
+        other(x).sum().backward()

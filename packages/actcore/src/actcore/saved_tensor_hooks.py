@@ -50,6 +50,7 @@ data-dependent check, i.e. a device sync per tensor); they are quantized like an
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -175,6 +176,7 @@ class SavedTensorHooks:
         self._calls: dict[str, int] = {}
         self._global = 0
         self._local = threading.local()  # per thread: the active hooks and mode, suspensions
+        self._warned_enclosed = False
         self.exact_ops = bool(exact_ops)
         self.tailored = bool(tailored)
         self.router = AttentionRouter() if router is None else router
@@ -244,6 +246,7 @@ class SavedTensorHooks:
     def __enter__(self) -> SavedTensorHooks:
         if getattr(self._local, "hooks", None) is not None:
             raise RuntimeError("these saved-tensor hooks are already active")
+        self._warn_if_enclosed()
         self._global = 0
         hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         hooks.__enter__()
@@ -268,6 +271,28 @@ class SavedTensorHooks:
         finally:
             if hooks is not None:
                 hooks.__exit__(*exc)
+
+    def _warn_if_enclosed(self) -> None:
+        """Warn once when other saved-tensor hooks (a user's, ``save_on_cpu``, a profiler's)
+        are active as these are pushed: PyTorch runs only the innermost hooks, so those see
+        nothing of what is saved inside. Checkpoint's and actcore's own are expected."""
+        top = stash.top_hooks()
+        if top is None or self._warned_enclosed:
+            return
+        pack = top[0]
+        module = getattr(pack, "__module__", None) or ""
+        if stash.is_checkpoint_hook(pack) or module.split(".")[0] == "actcore":
+            return
+        self._warned_enclosed = True
+        name = getattr(pack, "__qualname__", type(pack).__name__)
+        warnings.warn(
+            f"actcore: saved-tensor hooks ({module}.{name}) are active around a forward that "
+            "actcore compresses; PyTorch runs only the innermost hooks, so they see nothing "
+            "of what is saved inside (save_on_cpu and hook-based profilers stop applying "
+            "there). Offload with actcore's own swap (level L4) instead.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     @property
     def active(self) -> bool:

@@ -40,6 +40,7 @@ __all__ = [
     "derive_from",
     "derive_output",
     "in_checkpoint",
+    "is_checkpoint_hook",
     "is_stashed",
     "layer_spec",
     "mask_of",
@@ -54,6 +55,7 @@ __all__ = [
     "role_bits",
     "source_part",
     "stash",
+    "top_hooks",
     "unstash",
 ]
 
@@ -173,21 +175,29 @@ _TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", Non
 _CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
 
 
-def in_checkpoint() -> bool:
-    """Whether the innermost saved-tensor hooks are ``torch.utils.checkpoint``'s
-    (non-reentrant): what is saved now is dropped and recomputed in backward anyway."""
+def top_hooks() -> tuple[Any, Any] | None:
+    """The innermost active saved-tensor hooks ``(pack, unpack)``, None without any (or
+    while Dynamo traces: it cannot trace the accessor)."""
     if _TOP_HOOKS is None or torch.compiler.is_compiling():
-        return False  # (Dynamo cannot trace the accessor; checkpoint under compile differs)
+        return None
     try:
-        top = _TOP_HOOKS(True)
+        return _TOP_HOOKS(True)
     except TypeError:  # a build whose accessor takes no argument
-        top = _TOP_HOOKS()
-    if top is None:
-        return False
-    pack = top[0]
+        return _TOP_HOOKS()
+
+
+def is_checkpoint_hook(pack: Any) -> bool:
+    """Whether ``pack`` is ``torch.utils.checkpoint``'s (non-reentrant) pack hook."""
     return getattr(pack, "__module__", "") == "torch.utils.checkpoint" and getattr(
         pack, "__qualname__", ""
     ).startswith(_CHECKPOINT_HOOKS)
+
+
+def in_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are ``torch.utils.checkpoint``'s
+    (non-reentrant): what is saved now is dropped and recomputed in backward anyway."""
+    top = top_hooks()
+    return top is not None and is_checkpoint_hook(top[0])
 
 
 def choose(layer: Any, role: str, x: torch.Tensor, channel_dim: int | None = None) -> Compressor:
