@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from actcore.bit_allocation import allocate, variance
+from actcore.adaptive.bit_allocation import allocate, variance
 
 
 def _next(bits: int, max_bits: int, exact_past_max: bool) -> int | None:

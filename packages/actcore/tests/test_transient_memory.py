@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import actcore
-from actcore.adaptive_stats import squared_norm
+from actcore.adaptive.stats import squared_norm
 from actcore.memory import profiled_peak_bytes
 
 

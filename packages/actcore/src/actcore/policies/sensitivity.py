@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..bit_allocation import allocate
+from ..adaptive.bit_allocation import allocate
 from ..ops.api import check_bits
 from ..pass_stats import PassStats
 from .base import Policy

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .adaptive_stats import LayerStats
+from .stats import LayerStats
 
 __all__: list[str] = []  # private to actcore.adaptive
 

@@ -9,8 +9,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .adaptive_stats import LayerStats
-from .compressors import Compressor, Quantize, Tensors, ZeroValue
+from ..compressors import Compressor, Quantize, Tensors, ZeroValue
+from .stats import LayerStats
 
 __all__: list[str] = []
 

@@ -3,7 +3,7 @@
 The variance model and the problem it poses are :mod:`actcore.adaptive`'s ("Allocation");
 these are its steps. :func:`allocation_items` turns the layers' statistics into allocation
 units ``(layer, rank, weight, cost)`` (reading them back: the one sync of a replan),
-:func:`ranked_plans` hands the units bits with the one allocator (:mod:`actcore.bit_allocation`),
+:func:`ranked_plans` hands the units bits with the one allocator (:mod:`actcore.adaptive.bit_allocation`),
 normalization layers starting at the budget; :func:`rank_counts` spreads a layer's bits by
 rank over a batch, :func:`plan_prior_bits` gives the bits before any plan, and
 :func:`plan_variance`, :func:`plan_average_bits` say what a plan predicts and costs.
@@ -15,8 +15,8 @@ import math
 from collections import Counter
 from typing import Any
 
-from .adaptive_stats import LayerStats, has_finite
 from .bit_allocation import allocate, variance
+from .stats import LayerStats, has_finite
 
 __all__: list[str] = []
 

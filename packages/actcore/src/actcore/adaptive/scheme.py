@@ -28,7 +28,7 @@ Allocation. Every ``interval`` steps, :meth:`AdaptiveBits.replan` minimises
 ``sum V_li(b_li)`` subject to ``sum cost_li * b_li <= budget * sum cost_li`` (``cost``: the
 elements stored) over integer ``b`` in ``[min_bits, max_bits]``: the gains of one more bit
 shrink with ``b``, so taking increments greedily by gain per cost is the classic solution of
-this separable convex problem (:func:`actcore.bit_allocation.allocate`). Normalization layers start at ``ceil(budget)`` bits instead
+this separable convex problem (:func:`actcore.adaptive.bit_allocation.allocate`). Normalization layers start at ``ceil(budget)`` bits instead
 of ``min_bits``: their input error also reaches the input gradient, which this model does not
 count (at 1 bit, LayerNorm inputs stalled the fine-tuning of a real MiniLM that uniform 2 bits
 trained as well as fp32). Samples are not the same from step to step, so the plan is
@@ -65,9 +65,9 @@ The statistics and the plan are in :meth:`AdaptiveBits.state_dict`, so a resumed
 its plan and replans as the uninterrupted run would; :meth:`AdaptiveBits.load_state_dict`
 checks the whole state before changing anything.
 
-This module is the scheme; its parts are ``adaptive_stats`` (a layer's statistics and their
-averages), ``adaptive_recording`` (the statistics tap on what it packs), ``adaptive_plan`` (the plan from
-the statistics), ``adaptive_samples`` (the per-dataset-sample tables) and ``adaptive_state``
+This module is the scheme; its parts are ``stats`` (a layer's statistics and their
+averages), ``recording`` (the statistics tap on what it packs), ``plan`` (the plan from
+the statistics), ``samples`` (the per-dataset-sample tables) and ``state``
 (checking a saved state).
 """
 
@@ -79,19 +79,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adaptive_plan import (
-    allocation_items,
-    plan_average_bits,
-    plan_prior_bits,
-    plan_variance,
-    rank_counts,
-    ranked_plans,
-)
-from .adaptive_recording import Recording
-from .adaptive_samples import batch_sample_scale, checked_index, write_norms
-from .adaptive_state import DEFAULT_WINDOW, check_same_layers, checked_state
-from .adaptive_stats import LayerStats, ema, finite_ema, gradient_coupling, squared_norm
-from .compressors import (
+from ..compressors import (
     Compressor,
     PerSampleQuantize,
     Quantize,
@@ -99,9 +87,21 @@ from .compressors import (
     ZeroValue,
     sample_range_weights,
 )
-from .config import config
-from .rng import forward_raised
-from .stash import CONV, NORM, ROW_NORM, batch_norm_bits, layer_spec, records, role_bits
+from ..config import config
+from ..rng import forward_raised
+from ..stash import CONV, NORM, ROW_NORM, batch_norm_bits, layer_spec, records, role_bits
+from .plan import (
+    allocation_items,
+    plan_average_bits,
+    plan_prior_bits,
+    plan_variance,
+    rank_counts,
+    ranked_plans,
+)
+from .recording import Recording
+from .samples import batch_sample_scale, checked_index, write_norms
+from .state import DEFAULT_WINDOW, check_same_layers, checked_state
+from .stats import LayerStats, ema, finite_ema, gradient_coupling, squared_norm
 
 __all__ = ["AdaptiveBits", "ScoredPerSampleQuantize"]
 
@@ -193,7 +193,7 @@ class AdaptiveBits:
     def attach(self, model: nn.Module) -> AdaptiveBits:
         """Become the ``act_scheme`` of every Q-layer of ``model`` that keeps conv/linear or
         batch-norm inputs (``act_adaptive_bits``: row norms keep the level's own bits)."""
-        from .layers.modules import QLayer
+        from ..layers.modules import QLayer
 
         for name, module in model.named_modules():
             if (
@@ -425,7 +425,7 @@ class AdaptiveBits:
                 self.skipped,
             )
 
-    # --- the plan (adaptive_plan) -----------------------------------------------------------
+    # --- the plan (plan.py) -----------------------------------------------------------------
 
     def prior_bits(self, layer: Any, bits: int) -> int:
         """Bits before any plan: the level's, and two more for depthwise-like convolutions."""
