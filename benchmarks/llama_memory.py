@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import act_hf
-import actcore.loss
+import actcore.layers.loss
 from actcore.memory import profiled_bytes
 
 VARIANTS = ("sdpa", "eager", "ckpt", "ckpt+act", "act", "act-logits8")
@@ -99,7 +99,7 @@ def main() -> None:
         for name in names:
             model = variant(name)
             ablation = (
-                mock.patch.object(actcore.loss, "linear_source", lambda _logits: None)
+                mock.patch.object(actcore.layers.loss, "linear_source", lambda _logits: None)
                 if name == "act-logits8"
                 else contextlib.nullcontext()
             )

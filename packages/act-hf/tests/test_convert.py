@@ -89,7 +89,7 @@ class _CountCoreAttention:
     """Counts actcore's AttentionFunction calls (the model's sdpa kept, q/k/v compressed)."""
 
     def __init__(self, monkeypatch):
-        from actcore.attention import AttentionFunction
+        from actcore.layers.attention import AttentionFunction
 
         self.n = 0
         original = AttentionFunction.apply

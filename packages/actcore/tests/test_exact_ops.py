@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from actcore import Controller
-from actcore.exact_ops import ExactOps, needs_exact_saves
-from actcore.saved_tensor_hooks import SavedTensorHooks, compress_saved_tensors
+from actcore.saved_tensors.exact_ops import ExactOps, needs_exact_saves
+from actcore.saved_tensors.hooks import SavedTensorHooks, compress_saved_tensors
 
 INF = math.inf
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")

@@ -15,9 +15,9 @@ import actcore
 from actcore import policies
 from actcore.bench.routes import check_levels, route_levels
 from actcore.config import LEVELS, level_spec
+from actcore.layers.stash import layer_spec
 from actcore.policies import HOOK_LEVELS, hook_level
 from actcore.policy_scheme import PolicyScheme
-from actcore.stash import layer_spec
 
 
 def test_a_level_name_means_what_its_own_route_says() -> None:

@@ -9,15 +9,16 @@ import pytest
 from torch import nn
 
 import actcore
-from actcore import compressors, saved_tensor_hooks
+from actcore import compressors
+from actcore.layers.scope import ModelScope
 from actcore.policy_scheme import PolicyScheme
-from actcore.scope import ModelScope
+from actcore.saved_tensors import hooks as saved_tensor_hooks
 
 
 @pytest.mark.parametrize("old", ["engine", "hooks"])
 def test_the_pre_release_module_aliases_are_gone(old) -> None:
-    """0.1.0 has no users to protect: the renamed modules (now ``stash`` and
-    ``saved_tensor_hooks``) have no warning aliases left."""
+    """0.1.0 has no users to protect: the renamed modules (now ``layers.stash`` and
+    ``saved_tensors.hooks``) have no warning aliases left."""
     with pytest.raises(ModuleNotFoundError, match=f"actcore.{old}"):
         importlib.import_module(f"actcore.{old}")
     with pytest.raises(AttributeError, match=f"no attribute '{old}'"):

@@ -13,7 +13,7 @@ from torch import nn
 
 from actcore.controller import Controller
 from actcore.policies import ACGC, HOOK_LEVELS, AutoPrecision, FixedBits, as_policy
-from actcore.saved_tensor_hooks import compress_saved_tensors
+from actcore.saved_tensors.hooks import compress_saved_tensors
 
 
 def _mlp(seed: int = 0) -> nn.Module:

@@ -23,7 +23,7 @@ def test_public_modules_are_found() -> None:
     found = public_modules()
     assert {
         "actcore",
-        "actcore.saved_tensor_hooks",
+        "actcore.saved_tensors.hooks",
         "actcore.ops.api",
         "actcore.bench.report",
     } <= set(found)

@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from actcore import memory
-from actcore.saved_handles import Handle
-from actcore.saved_tensor_hooks import SavedTensorHooks, compress_saved_tensors
+from actcore.saved_tensors.handles import Handle
+from actcore.saved_tensors.hooks import SavedTensorHooks, compress_saved_tensors
 
 
 def _encoder(d: int, heads: int, ffn: int, layers: int) -> nn.Module:

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import actcore
 from actcore import memory
-from actcore.scope import ModelScope
+from actcore.layers.scope import ModelScope
 
 
 class Functional(nn.Module):

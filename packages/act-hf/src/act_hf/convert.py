@@ -113,7 +113,7 @@ def convert(
     :func:`default_fewbit_bits` of the level): linear, ``Conv1D``, norm, convolution,
     pooling, ReLU-family and dropout modules become Q-layers, and everything else the
     forward saves (the attention call, RMSNorms, gated products, the loss when ``labels``
-    are passed) is compressed by the model's scope (:mod:`actcore.scope`).
+    are passed) is compressed by the model's scope (:mod:`actcore.layers.scope`).
 
     ``attention``: ``"keep"`` (default) keeps the model's configured implementation (sdpa,
     flash): the scope stores its q, k, v compressed and reruns the same kernel in backward.

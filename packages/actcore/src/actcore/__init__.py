@@ -5,13 +5,14 @@ Packages that add Q-layers for other frameworks build on :mod:`actcore.extend`.
 
 from __future__ import annotations
 
-from . import compressors, fewbit, memory, ops, policies, resume, rng, stash
+from . import compressors, fewbit, memory, ops, policies, resume, rng
 from .config import LEVELS, Config, LevelSpec, config, set_optimization_level
 from .controller import Controller
 from .convert import ConversionReport, QModule, convert
 from .layers import *  # noqa: F403 - the Q-layers are part of the top-level API
 from .layers import __all__ as _layer_names
-from .saved_tensor_hooks import compress_saved_tensors
+from .layers import stash
+from .saved_tensors.hooks import compress_saved_tensors
 
 __version__ = "0.1.0"
 

@@ -39,7 +39,7 @@ from .policies import (
     plan_modules,
 )
 from .rng import SeedStream
-from .saved_tensor_hooks import SavedTensorHooks
+from .saved_tensors.hooks import SavedTensorHooks
 
 __all__ = ["Controller", "swap_activations"]
 
@@ -82,7 +82,7 @@ class Controller:
             :func:`actcore.compress_saved_tensors`), and the policy's options (``bits``,
             ``avg_bits``, ``adapt_interval``, ``error_bound``, ``max_passes``, ``swap``, ...).
 
-    The :class:`~actcore.saved_tensor_hooks.SavedTensorHooks` it installs is its
+    The :class:`~actcore.saved_tensors.hooks.SavedTensorHooks` it installs is its
     ``saved_tensor_hooks`` attribute.
     """
 

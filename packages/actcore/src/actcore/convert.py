@@ -24,10 +24,10 @@ from .fewbit.convert import (
 )
 from .layers.modules import Q_LAYERS, QLayer, unsupported_reason
 from .layers.recompute import RecomputedModule, recomputed_class
+from .layers.scope import attach_scope, detach_scope
 from .policies import Policy
 from .policy_scheme import make_scheme, set_policy
 from .rng import attach_stream
-from .scope import attach_scope, detach_scope
 from .walker import Converter, Exclude, Left, check_exclude, is_excluded, walk
 
 __all__ = [
@@ -98,9 +98,9 @@ def convert(
     Standard layers become Q-layers (in place: same objects, parameters and ``state_dict``
     keys), and, unless ``layers_only``, everything else the model's forward saves goes
     through the saved-tensor hooks under the same level, scoped to the root module's
-    forward (:mod:`actcore.scope`): functional ops, elementwise products, inline attention.
+    forward (:mod:`actcore.layers.scope`): functional ops, elementwise products, inline attention.
     Functional ReLU/dropout/activations/normalizations get the Q-layers' tailored
-    compressors (:mod:`actcore.routing`); a tensor a Q-layer packed is not stored twice.
+    compressors (:mod:`actcore.layers.routing`); a tensor a Q-layer packed is not stored twice.
     Forward outputs are unchanged, bitwise.
 
     ``exclude`` takes module names (fnmatch patterns), module types, or predicates

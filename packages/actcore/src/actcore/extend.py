@@ -42,9 +42,9 @@ from .layers.functions import (
 )
 from .layers.modules import LOWER_PRECISION, autocast_inputs
 from .layers.recompute import register_recomputed
-from .op_mode import call_outside_modes
+from .layers.stash import CONV, choose, layer_spec, needs_saving, stash, unstash
 from .ops.api import check_bits
-from .stash import CONV, choose, layer_spec, needs_saving, stash, unstash
+from .saved_tensors.op_mode import call_outside_modes
 from .walker import Exclude
 
 __all__ = [

@@ -88,8 +88,8 @@ from ..compressors import (
     sample_range_weights,
 )
 from ..config import config
+from ..layers.stash import CONV, NORM, ROW_NORM, batch_norm_bits, layer_spec, records, role_bits
 from ..rng import forward_raised
-from ..stash import CONV, NORM, ROW_NORM, batch_norm_bits, layer_spec, records, role_bits
 from .plan import (
     allocation_items,
     plan_average_bits,

@@ -20,7 +20,7 @@ class Derived(Compressor):
     The parts are packings held anyway by whoever saved them (a norm's compressed input, an
     activation's input, the operands of a product, a dropout's mask), so keeping a tensor
     this way costs nothing: a normalization's output, an activation's output, a gated
-    product, a dropout output. ``pack`` is not used (:func:`actcore.stash.packing_of`
+    product, a dropout output. ``pack`` is not used (:func:`actcore.layers.stash.packing_of`
     builds the tensors, the parts' tensors one after the other, and the meta, the parts'
     metas and tensor counts). Approximate like its parts: never for what must stay exact.
     """

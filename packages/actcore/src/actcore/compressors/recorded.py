@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..pass_stats import record_stats
+from ..saved_tensors.pass_stats import record_stats
 from .base import Compressor
 
 __all__ = ["Recorded"]
@@ -20,7 +20,7 @@ __all__ = ["Recorded"]
 class Recorded(Compressor):
     """Packs with ``inner`` and records its spread in ``recorder.stats`` under ``stat_key``.
 
-    ``recorder``: what holds the estimate's :class:`actcore.pass_stats.PassStats`
+    ``recorder``: what holds the estimate's :class:`actcore.saved_tensors.pass_stats.PassStats`
     (``.stats``, None outside an estimate) and the quantization ``.group_size``.
     """
 

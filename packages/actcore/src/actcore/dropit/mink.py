@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from actcore import ops
-from actcore.memory_format import suggest_memory_format
+from actcore.layers.memory_format import suggest_memory_format
 
 __all__ = [
     "STRATEGIES",

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..op_mode import call_outside_modes
+from ..saved_tensors.op_mode import call_outside_modes
 from . import functional as FB
 from .functional import DEFAULT_BITS
 from .tables import check_bits

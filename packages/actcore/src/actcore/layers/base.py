@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from ..config import LevelSpec, level_spec
-from ..op_mode import call_outside_modes
-from ..stash import layer_spec, needs_saving
+from ..saved_tensors.op_mode import call_outside_modes
+from .stash import layer_spec, needs_saving
 
 __all__ = [
     "ConvertedLayer",

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..loss import note_linear_output
 from .autocast import LOWER_PRECISION, autocast_inputs
 from .base import QLayer
 from .conv_functions import ConvFunction, LinearFunction
 from .double_backward import link
+from .loss import note_linear_output
 
 __all__ = [
     "QConv1d",

@@ -1,7 +1,7 @@
 """Autograd functions of the conv, transposed conv and linear Q-layers.
 
 Each forward computes exactly what the torch layer computes (the same aten op) and saves
-its input through :func:`actcore.stash.stash`; backward runs the public aten backward op
+its input through :func:`actcore.layers.stash.stash`; backward runs the public aten backward op
 on the restored input (in micro-batches when the layer's level asks for them).
 """
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ..stash import CONV, IDENTITY, layer_spec, observe, stash, unstash
 from .double_backward import guard_input
 from .input_meta import InputMeta
+from .stash import CONV, IDENTITY, layer_spec, observe, stash, unstash
 
 __all__ = [
     "ConvFunction",

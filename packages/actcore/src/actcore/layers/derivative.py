@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..forward_state import plain_saves
-from ..op_mode import outside_function_modes
-from ..stash import DERIVATIVE, stash, unstash
+from ..saved_tensors.op_mode import outside_function_modes
+from .forward_state import plain_saves
+from .stash import DERIVATIVE, stash, unstash
 
 __all__ = ["DerivativeFunction", "keep_derivative"]
 

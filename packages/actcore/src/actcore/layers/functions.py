@@ -1,7 +1,7 @@
 """Autograd functions of the Q-layers, in one namespace (each family has its own module).
 
 Each forward computes exactly what the torch layer computes (the same aten op), saves
-through :func:`actcore.stash.stash` (which compresses per the layer's level), and each
+through :func:`actcore.layers.stash.stash` (which compresses per the layer's level), and each
 backward calls the public aten backward op of that layer on the restored tensors:
 
 - :mod:`actcore.layers.conv_functions`: conv, transposed conv, linear;

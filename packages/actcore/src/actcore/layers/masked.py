@@ -7,7 +7,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..stash import needs_saving
 from .base import QLayer, transforms_active
 from .masked_functions import (
     DropoutFunction,
@@ -15,6 +14,7 @@ from .masked_functions import (
     note_dropout_output,
     note_output_mask,
 )
+from .stash import needs_saving
 
 __all__ = [
     "QDropout",

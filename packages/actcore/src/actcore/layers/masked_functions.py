@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from ..stash import IDENTITY, derive_output, note_mask, note_output, source_part, stash, unstash
+from .stash import IDENTITY, derive_output, note_mask, note_output, source_part, stash, unstash
 
 __all__ = [
     "DropoutFunction",
@@ -64,7 +64,7 @@ class MaskedActivationFunction(torch.autograd.Function):
 
 
 def note_dropout_output(out: torch.Tensor) -> torch.Tensor:
-    """After ``apply`` of :class:`DropoutFunction`: see :func:`actcore.stash.note_output`."""
+    """After ``apply`` of :class:`DropoutFunction`: see :func:`actcore.layers.stash.note_output`."""
     return note_output(out)
 
 

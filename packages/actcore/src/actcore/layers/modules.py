@@ -12,7 +12,7 @@ This module gathers the Q-layers' API in one namespace (re-exported by
 conv, linear), :mod:`~actcore.layers.norm`, :mod:`~actcore.layers.masked` (ReLU family,
 dropout), :mod:`~actcore.layers.pool`, :mod:`~actcore.layers.registry` (``Q_LAYERS``),
 and :mod:`~actcore.layers.autocast` (``LOWER_PRECISION``, ``autocast_inputs``, which serve
-:mod:`actcore.routing` and the adapters).
+:mod:`actcore.layers.routing` and the adapters).
 """
 
 from __future__ import annotations

@@ -8,10 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..memory_format import suggest_memory_format
-from ..stash import note_output
 from .autocast import autocast_inputs
 from .base import QLayer
+from .memory_format import suggest_memory_format
 from .norm_functions import (
     BatchNormFunction,
     GroupNormFunction,
@@ -19,6 +18,7 @@ from .norm_functions import (
     RMSNormFunction,
     SyncBatchNormFunction,
 )
+from .stash import note_output
 
 __all__ = [
     "QBatchNorm1d",

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 from ..compressors import Compressor
-from ..stash import (
+from .double_backward import LOST_INPUT, layer_name, refuse_double_backward
+from .input_meta import InputMeta
+from .stash import (
     IDENTITY,
     NORM,
     ROW_NORM,
@@ -24,8 +26,6 @@ from ..stash import (
     stash,
     unstash,
 )
-from .double_backward import LOST_INPUT, layer_name, refuse_double_backward
-from .input_meta import InputMeta
 
 __all__ = [
     "BatchNormFunction",

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import _ntuple
 
-from ..stash import needs_saving
 from .autocast import autocast_inputs
 from .base import QLayer, transforms_active
 from .pool_functions import AvgPoolFunction, MaxPoolFunction
+from .stash import needs_saving
 
 __all__ = [
     "QAvgPool1d",

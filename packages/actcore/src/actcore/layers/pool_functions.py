@@ -11,8 +11,8 @@ import math
 import torch
 
 from .. import ops
-from ..stash import IDENTITY, stash, unstash
 from .input_meta import InputMeta
+from .stash import IDENTITY, stash, unstash
 
 __all__ = [
     "AvgPoolFunction",

@@ -22,7 +22,7 @@ The forward is the module's (or functional's) own, once, so the output is bitwis
 same. Backward rebuilds the input and differentiates that same forward again: whatever
 formula it computes, the gradient is its exact gradient at the restored input, for the
 cost of one more (cheap) forward. The output is recorded as derived from the kept input
-(:func:`actcore.stash.derive`): the next layer, which saves it, stores nothing of its own.
+(:func:`actcore.layers.stash.derive`): the next layer, which saves it, stores nothing of its own.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ from torch.autograd.function import once_differentiable
 
 from ..compressors import IDENTITY
 from ..config import config
-from ..forward_state import forward_state, plain_saves, replayed
-from ..stash import (
+from .base import ConvertedLayer
+from .derivative import keep_derivative
+from .forward_state import forward_state, plain_saves, replayed
+from .stash import (
     ACTIVATION,
     ROW_NORM,
     choose,
@@ -48,8 +50,6 @@ from ..stash import (
     stash,
     unstash,
 )
-from .base import ConvertedLayer
-from .derivative import keep_derivative
 
 __all__ = [
     "RecomputeFunction",

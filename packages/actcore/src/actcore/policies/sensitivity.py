@@ -31,7 +31,7 @@ from torch import nn
 
 from ..adaptive.bit_allocation import allocate
 from ..ops.api import check_bits
-from ..pass_stats import PassStats
+from ..saved_tensors.pass_stats import PassStats
 from .base import Policy
 
 __all__ = ["ACGC", "AdaptivePolicy", "AutoPrecision"]

@@ -1,6 +1,6 @@
 """Functional ops routed to the layer-swap route's tailored autograd functions.
 
-Inside a converted model's forward (see :mod:`actcore.scope`), :class:`FunctionalRouter`
+Inside a converted model's forward (see :mod:`actcore.layers.scope`), :class:`FunctionalRouter`
 hands these Python-level calls, when they save tensors for backward, to the same autograd
 functions the Q-layers use, so code written with functionals is compressed as modules are:
 
@@ -22,11 +22,11 @@ in-place forms), ``F.relu6``, ``F.hardtanh``,           that the next layer save
 ``F.rms_norm``                                          norm bits, exact statistics
 ``F.cross_entropy`` (class indices)                     the head linear's input and weight, to
                                                         recompute the logits exactly (else the
-                                                        logits at 8 bits; :mod:`actcore.loss`)
+                                                        logits at 8 bits; :mod:`actcore.layers.loss`)
 ``F.scaled_dot_product_attention``,                     q, k, v at the level's bits; backward
 ``F.multi_head_attention_forward``                      reruns the same kernel on them
-(``nn.MultiheadAttention``)                             (:mod:`actcore.attention`,
-                                                        :mod:`actcore.multihead`)
+(``nn.MultiheadAttention``)                             (:mod:`actcore.layers.attention`,
+                                                        :mod:`actcore.layers.multihead`)
 =====================================================  ========================================
 
 Every routed call computes its output with the very torch op it replaces, so forward
@@ -43,13 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .config import LevelSpec, config
-from .fewbit import functional as FB
-from .layers.base import ConvertedLayer
-from .layers.derivative import keep_derivative
-from .layers.recompute import recompute
+from ..config import LevelSpec, config
+from ..fewbit import functional as FB
+from ..saved_tensors.op_mode import plain_float, wants_grad
+from .base import ConvertedLayer
+from .derivative import keep_derivative
 from .loss import ROW_FUNCS, note_rows
-from .op_mode import plain_float, wants_grad
+from .recompute import recompute
 from .stash import NORMALIZED, derive_from, in_checkpoint, note_output
 
 __all__ = ["FunctionalLayer", "FunctionalRouter"]
@@ -88,7 +88,7 @@ def _saves(x: Any) -> bool:
 
 def _masked(kind: str, param_of: Callable[[tuple, dict], Any], inplace_of: Callable) -> _Handler:
     def handle(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-        from .layers.masked_functions import MaskedActivationFunction, note_output_mask
+        from .masked_functions import MaskedActivationFunction, note_output_mask
 
         x = args[0] if args else kwargs.get("input")
         if not _saves(x):
@@ -174,8 +174,8 @@ def _affine_norm_args(router: FunctionalRouter, args: tuple, kwargs: dict) -> tu
 
 
 def _layer_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-    from .layers.autocast import autocast_inputs
-    from .layers.norm_functions import LayerNormFunction
+    from .autocast import autocast_inputs
+    from .norm_functions import LayerNormFunction
 
     found = _affine_norm_args(router, args, kwargs)
     if found is None:
@@ -187,7 +187,7 @@ def _layer_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
 
 
 def _group_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-    from .layers.norm import group_norm
+    from .norm import group_norm
 
     found = _affine_norm_args(router, args, kwargs)
     if found is None or found[0].dim() < 2:
@@ -200,8 +200,8 @@ def _group_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
 
 
 def _batch_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-    from .layers.autocast import autocast_inputs
-    from .layers.norm_functions import BatchNormFunction
+    from .autocast import autocast_inputs
+    from .norm_functions import BatchNormFunction
 
     x = args[0] if args else kwargs.get("input")
     running_mean = _arg(args, kwargs, 1, "running_mean", None)
@@ -227,7 +227,7 @@ def _batch_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
 
 
 def _rms_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-    from .layers.norm_functions import RMSNormFunction
+    from .norm_functions import RMSNormFunction
 
     x = args[0] if args else kwargs.get("input")
     weight = _arg(args, kwargs, 2, "weight", None)
@@ -241,7 +241,7 @@ def _rms_norm(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
 
 
 def _normalize(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-    from .layers.norm_functions import NormalizeFunction
+    from .norm_functions import NormalizeFunction
 
     x = args[0] if args else kwargs.get("input")
     p = _arg(args, kwargs, 1, "p", 2.0)
@@ -259,7 +259,7 @@ def _normalize(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
 
 def _dropout(p_index: int, train_index: int, inplace: Callable[[tuple, dict], bool]) -> _Handler:
     def handle(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-        from .layers.masked_functions import DropoutFunction, note_dropout_output
+        from .masked_functions import DropoutFunction, note_dropout_output
 
         x = args[0] if args else kwargs.get("input")
         p = _arg(args, kwargs, p_index, "p", 0.5)
@@ -407,7 +407,7 @@ class FunctionalRouter:
     """Routes functional calls (see the module docstring) at one level of the layer route.
 
     ``fewbit_bits``: derivative bits of smooth activations (None: not routed).
-    Called by :class:`actcore.op_mode.OpMode` as ``router(func, args, kwargs)``; returns
+    Called by :class:`actcore.saved_tensors.op_mode.OpMode` as ``router(func, args, kwargs)``; returns
     the routed result or ``NotImplemented`` (the mode then calls ``func`` itself).
     """
 
@@ -431,7 +431,7 @@ class FunctionalRouter:
     def after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """After an unrouted call: what its output derives from, for products (a gated MLP's
         ``act(gate) * up``, a layer scale): a later save of the product refers to the packings
-        of its operands instead of keeping a copy (:func:`actcore.stash.derive`)."""
+        of its operands instead of keeping a copy (:func:`actcore.layers.stash.derive`)."""
         try:
             product = func in _PRODUCTS
             rows = func in ROW_FUNCS

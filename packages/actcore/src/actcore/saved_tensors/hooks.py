@@ -16,7 +16,7 @@ What the pack hook does with each saved tensor:
 * ``bool`` tensors (dropout masks, comparisons) are packed losslessly at 1 bit;
 * tensors saved by ops whose backward compares or divides saved values (``amax``,
   ``maximum``, ``scatter_reduce(reduce="amax")``, inf-norms, ``prod``... see
-  :mod:`actcore.exact_ops`) are kept exact, as quantizing them would give NaN or zero
+  :mod:`actcore.saved_tensors.exact_ops`) are kept exact, as quantizing them would give NaN or zero
   gradients; so are log-probabilities (``log_softmax``'s output, which ``cross_entropy``
   saves: its backward exponentiates them, and ``E[exp(q(x))] != exp(x)``), and softmax,
   sigmoid and tanh outputs keep at least :data:`PROBABILITY_BITS`;
@@ -24,7 +24,7 @@ What the pack hook does with each saved tensor:
   quantization, optionally swapped to CPU). The output of a ReLU additionally keeps its
   nonzero mask at 1 bit, so ReLU's backward sees exactly the same mask (no biased gradient);
 * ``F.scaled_dot_product_attention`` and ``F.multi_head_attention_forward`` run through
-  :class:`actcore.attention.AttentionFunction`: q, k, v are packed (q and k with the same
+  :class:`actcore.layers.attention.AttentionFunction`: q, k, v are packed (q and k with the same
   feature dims exact), and backward reruns the call on them, as the layer route does (a
   fused kernel's own backward, from rounded q and k and an exact ``logsumexp``, is biased
   and with an outlier feature overflows);
@@ -32,7 +32,7 @@ What the pack hook does with each saved tensor:
   ``x.t()``) while unchanged is stored once.
 
 The unpack hook rebuilds a tensor of the same dtype, shape and (for dense or expanded views)
-strides from the :class:`actcore.saved_handles.Handle` the pack hook gave autograd. Because
+strides from the :class:`actcore.saved_tensors.handles.Handle` the pack hook gave autograd. Because
 hooks switch off autograd's version check, it is repeated there: an in-place change of a
 saved tensor that is still alive at backward raises autograd's usual error.
 
@@ -59,9 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import memory, ops, rng, stash
-from .attention import scaled_dot_product_attention, shared_exact_dims
-from .compressors import (
+from .. import memory, ops, rng
+from ..compressors import (
     ChannelScaled,
     Compressor,
     MaskBits,
@@ -70,12 +69,14 @@ from .compressors import (
     Swap,
     ZeroValue,
 )
-from .compressors.channel_scaled import scaled
-from .multihead import multi_head_attention
+from ..compressors.channel_scaled import scaled
+from ..layers import stash
+from ..layers.attention import scaled_dot_product_attention, shared_exact_dims
+from ..layers.multihead import multi_head_attention
+from ..policies import as_policy
+from .handles import Handle, Stored, canonical, is_param_like, storage_ptr
 from .op_mode import DataMarks, OpMode, created_by_attention
 from .pass_stats import PassStats, record_stats
-from .policies import as_policy
-from .saved_handles import Handle, Stored, canonical, is_param_like, storage_ptr
 
 __all__ = [
     "ACTIVATION_BITS",
@@ -104,9 +105,9 @@ _EXACT_OUTPUT_NODES = frozenset({"LogSoftmaxBackward0"})
 
 
 class AttentionRouter:
-    """This route's router (for :class:`actcore.op_mode.OpMode`): sdpa and
+    """This route's router (for :class:`actcore.saved_tensors.op_mode.OpMode`): sdpa and
     ``F.multi_head_attention_forward`` calls run through
-    :class:`actcore.attention.AttentionFunction`, which keeps q, k, v (packed by the hooks)
+    :class:`actcore.layers.attention.AttentionFunction`, which keeps q, k, v (packed by the hooks)
     and reruns the call in backward. A fused kernel's own backward would recompute the
     probabilities as ``exp(q k^T * scale - logsumexp)`` from rounded q and k and an exact
     ``logsumexp``: no longer normalised, and with an outlier feature its gradient
@@ -330,7 +331,7 @@ class SavedTensorHooks:
 
     def _floored(self, t: Tensor, bits: int) -> int:
         """``bits``, raised where ``t`` is the input of the running call of
-        :data:`actcore.op_mode.FLOORED_INPUTS`: a batch norm's on few values per channel,
+        :data:`actcore.saved_tensors.op_mode.FLOORED_INPUTS`: a batch norm's on few values per channel,
         a smooth activation's to :data:`ACTIVATION_BITS`."""
         mode = getattr(self._local, "mode", None)
         if mode is None or mode.floored_input == 0 or storage_ptr(t) != mode.floored_input:
@@ -340,7 +341,7 @@ class SavedTensorHooks:
         return max(bits, ACTIVATION_BITS)
 
     def _keeps_exact(self, t: Tensor) -> bool:
-        """What the op now saving needs exact (see :mod:`actcore.op_mode`), log-probabilities
+        """What the op now saving needs exact (see :mod:`actcore.saved_tensors.op_mode`), log-probabilities
         (their backward exponentiates them: ``E[exp(q(x))] != exp(x)``), and, when
         ``tailored``, the float constants a forward makes outside the autograd graph (rotary
         cos/sin, position biases): anything without history that is not on one of the root
@@ -476,7 +477,7 @@ class SavedTensorHooks:
         self, comp: Compressor, t: Tensor, data: Tensor, inv: tuple[int, ...]
     ) -> Compressor:
         """``comp`` with ``data``'s outlier channels apart, the largest exact: for sdpa's q
-        and k the feature dims both keep exact (:func:`actcore.attention.shared_exact_dims`),
+        and k the feature dims both keep exact (:func:`actcore.layers.attention.shared_exact_dims`),
         while the features stay the last dim in memory order."""
         dims = shared_exact_dims(t)
         if dims is not None and inv[-1] == t.dim() - 1:
@@ -516,7 +517,7 @@ def compress_saved_tensors(
         min_numel: tensors with fewer elements are kept as they are.
         group_size: quantization group size (a positive multiple of 8).
         exact_ops: keep the tensors saved by ops that compare or divide saved values exact
-            (see :mod:`actcore.exact_ops`); ``False`` quantizes them too (their gradients
+            (see :mod:`actcore.saved_tensors.exact_ops`); ``False`` quantizes them too (their gradients
             are then wrong: only for measuring what that costs).
     """
     return SavedTensorHooks(

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .compressors import IDENTITY, Quantize
+from ..compressors import IDENTITY, Quantize
 from .stash import records, stash, unstash
 
 __all__ = [

@@ -1,7 +1,7 @@
 """What one forward under estimation records for the adaptive policies, per saved tensor.
 
 What packs the saved tensors records into a :class:`PassStats` (the saved-tensor hooks of
-:mod:`actcore.saved_tensor_hooks`; on the layer route :class:`actcore.compressors.Recorded`,
+:mod:`actcore.saved_tensors.hooks`; on the layer route :class:`actcore.compressors.Recorded`,
 for :mod:`actcore.policy_scheme`); :class:`actcore.policies.AdaptivePolicy` reads it.
 """
 

@@ -6,7 +6,7 @@ so neither the hook nor a dispatch mode can tell which op saved a tensor. A
 :class:`OpMode` (pushed together with the hooks) tells the hooks:
 
 * ``depth > 0`` inside an op whose backward compares or divides saved values
-  (:mod:`actcore.exact_ops`): what it saves is kept exact;
+  (:mod:`actcore.saved_tensors.exact_ops`): what it saves is kept exact;
 * ``floored_input`` and ``floored_kind``: the storage of the input of the call of
   :data:`FLOORED_INPUTS` now running (0 outside one) and its kind: ``"batch_norm"`` (more
   bits on small maps) or ``"activation"`` (a smooth activation, whose backward evaluates
@@ -16,7 +16,7 @@ so neither the hook nor a dispatch mode can tell which op saved a tensor. A
   autograd graph (sdpa's ``logsumexp``; not their inputs) are kept exact, as quantizing
   them gives NaN gradients;
 
-and, given a ``router`` (:class:`actcore.routing.FunctionalRouter`), it hands functional calls
+and, given a ``router`` (:class:`actcore.layers.routing.FunctionalRouter`), it hands functional calls
 (``F.relu``, ``F.gelu``, ``F.layer_norm``, ``F.dropout``...) to the tailored autograd
 functions of the layer-swap route, so a model's functional code is compressed as its
 modules are. The mode sees the outermost call only (a call made inside another torch
@@ -72,7 +72,7 @@ FLOORED_INPUTS: dict[Any, str] = {
     ),
 }
 """Calls whose saved input gets a bits floor, by kind: ``"batch_norm"``
-(:func:`actcore.stash.batch_norm_bits`), ``"activation"`` (nonlinear backward at 4 bits)."""
+(:func:`actcore.layers.stash.batch_norm_bits`), ``"activation"`` (nonlinear backward at 4 bits)."""
 
 
 def _floor_kind(func: Any) -> str | None:
@@ -180,7 +180,7 @@ class DataMarks:
 
 
 class OpMode(ExactOps):
-    """:class:`~actcore.exact_ops.ExactOps` plus attention tagging and functional routing.
+    """:class:`~actcore.saved_tensors.exact_ops.ExactOps` plus attention tagging and functional routing.
 
     ``suspended`` (a zero-argument callable): while it returns True (an excluded module is
     running), calls go through untouched.

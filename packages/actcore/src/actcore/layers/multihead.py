@@ -1,6 +1,6 @@
 """``F.multi_head_attention_forward`` (what ``nn.MultiheadAttention`` runs) with compressed
 attention: the same projections, reshapes and sdpa call, the sdpa call through
-:class:`actcore.attention.AttentionFunction`.
+:class:`actcore.layers.attention.AttentionFunction`.
 
 torch computes attention inside that function, out of reach of a function mode, so the
 routed version repeats its steps for the calls it covers: batched inputs, one packed
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..saved_tensors.op_mode import wants_grad
 from .attention import attention
-from .op_mode import wants_grad
 
 __all__ = ["multi_head_attention"]
 

@@ -14,7 +14,7 @@ rounded copy gives an unbiased or slightly perturbed gradient. A few compare the
   an error of ``exp(step)``.
 
 :class:`ExactOps` is a :class:`torch.overrides.TorchFunctionMode` that counts when the
-program is inside one of these calls; :class:`actcore.saved_tensor_hooks.SavedTensorHooks` keeps
+program is inside one of these calls; :class:`actcore.saved_tensors.hooks.SavedTensorHooks` keeps
 every tensor saved meanwhile exact. The mode sees calls made from Python (``x.amax()``,
 ``torch.maximum``, PyG's ``scatter(reduce="max")``...), not ops that C++ code reaches
 internally.

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from .compressors import IDENTITY, Compressor, Derived, Quantize, Swap, Tensors, ZeroValue
-from .compressors.channel_scaled import scaled
-from .config import LevelSpec, config
-from .saved_handles import check_version
+from ..compressors import IDENTITY, Compressor, Derived, Quantize, Swap, Tensors, ZeroValue
+from ..compressors.channel_scaled import scaled
+from ..config import LevelSpec, config
+from ..saved_tensors.handles import check_version
 
 __all__ = [
     "ACTIVATION",
@@ -215,14 +215,14 @@ def choose(layer: Any, role: str, x: torch.Tensor, channel_dim: int | None = Non
     identity: checkpoint drops what is saved there and recomputes it in backward, so
     compressing would only cost time, and the recomputation must save tensors of the same
     shapes as the forward did (a ReLU-mask or adaptive-bits decision could differ). A
-    linear marked ``act_feeds_loss`` (a language model's head, see :mod:`actcore.loss`)
+    linear marked ``act_feeds_loss`` (a language model's head, see :mod:`actcore.layers.loss`)
     keeps its input as it is: the loss holds that very tensor, so it costs nothing more.
     """
     spec = layer_spec(layer)
     if in_checkpoint():
         return IDENTITY
     if role == CONV and getattr(layer, "act_feeds_loss", False):
-        return IDENTITY  # a loss head: the loss keeps this very input (actcore.loss)
+        return IDENTITY  # a loss head: the loss keeps this very input (actcore.layers.loss)
     bits = role_bits(spec, role)
     if bits is not None and role == CONV and _expands(layer):
         bits = max(bits, NARROW_BITS)  # a low-rank input (LoRA's B): cheap, so kept finer

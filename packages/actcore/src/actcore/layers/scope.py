@@ -4,15 +4,15 @@
 forward pre-hook to its forward hook (and only then, only on the thread running that
 forward) it pushes
 
-* the saved-tensor hooks of :mod:`actcore.saved_tensor_hooks` (its ``saved_tensor_hooks``
+* the saved-tensor hooks of :mod:`actcore.saved_tensors.hooks` (its ``saved_tensor_hooks``
   attribute), which compress every other floating tensor autograd saves (functional ops,
   elementwise products, inline attention, a loss computed in the model) at the level's
   ``other_bits``, with the tailored choices of
-  :class:`actcore.saved_tensor_hooks.SavedTensorHooks` (softmax / sigmoid / tanh
+  :class:`actcore.saved_tensors.hooks.SavedTensorHooks` (softmax / sigmoid / tanh
   outputs at 4 bits at least, log-probabilities and the forward's own constants exact),
   while tensors a Q-layer packed pass through (and a tensor a Q-layer packed is not stored
   twice), and
-* an :class:`actcore.op_mode.OpMode` with a :class:`actcore.routing.FunctionalRouter`, so
+* an :class:`actcore.saved_tensors.op_mode.OpMode` with a :class:`actcore.layers.routing.FunctionalRouter`, so
   functional ReLUs, dropouts, smooth activations and normalizations get the Q-layers'
   tailored compressors.
 
@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import LevelSpec, level_spec
-from .policies import FixedBits
+from ..config import LevelSpec, level_spec
+from ..policies import FixedBits
+from ..saved_tensors.hooks import SavedTensorHooks
 from .routing import FunctionalRouter
-from .saved_tensor_hooks import SavedTensorHooks
 
 __all__ = ["ModelScope", "attach_scope", "detach_scope", "hook_bits"]
 

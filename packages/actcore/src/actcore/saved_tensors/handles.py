@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import ops
-from .compressors import Compressor
+from .. import ops
+from ..compressors import Compressor
 
 __all__ = [
     "INPLACE_MSG",

@@ -13,7 +13,7 @@ not kept (the next layer keeps its own copy of it). The cost is one attention fo
 in backward, as with checkpointing the attention alone.
 
 Both routes use it: the layer route stashes q, k, v at its layer's level; the saved-tensor
-hooks route (``layer=None``, through :class:`actcore.saved_tensor_hooks.AttentionRouter`) saves them with
+hooks route (``layer=None``, through :class:`actcore.saved_tensors.hooks.AttentionRouter`) saves them with
 ``ctx.save_for_backward``, so the active hooks pack them at the policy's bits. There q and k
 keep the same feature dims exact (:func:`shared_exact_dims`), as the layer route does.
 """
@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from .compressors import IDENTITY, ChannelScaled, Compressor
-from .compressors.channel_scaled import exact_channels, joint_top
+from ..compressors import IDENTITY, ChannelScaled, Compressor
+from ..compressors.channel_scaled import exact_channels, joint_top
+from ..saved_tensors.op_mode import outside_function_modes, plain_float, wants_grad
 from .forward_state import forward_state, plain_saves, replayed
-from .op_mode import outside_function_modes, plain_float, wants_grad
 from .stash import OTHER, choose, stash, unstash
 
 __all__ = [
