@@ -25,7 +25,8 @@ class ConversionReport(actcore.ConversionReport):
     ``converted``: module name -> new class (convs and actcore's Q-layers); ``left``: module
     name -> why it kept its class; ``hooks``: message-passing modules that keep their class
     (name -> class and reason), whose saved tensors the model's scope compresses (the
-    saved-tensor hooks and functional routing of :mod:`actcore.layers.scope`); ``scope``: that scope.
+    saved-tensor hooks and functional routing of :mod:`actcore.layers.scope`); ``scope``:
+    that scope.
     """
 
     hooks: dict[str, str] = field(default_factory=dict)

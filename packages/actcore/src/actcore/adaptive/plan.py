@@ -3,10 +3,11 @@
 The variance model and the problem it poses are :mod:`actcore.adaptive`'s ("Allocation");
 these are its steps. :func:`allocation_items` turns the layers' statistics into allocation
 units ``(layer, rank, weight, cost)`` (reading them back: the one sync of a replan),
-:func:`ranked_plans` hands the units bits with the one allocator (:mod:`actcore.adaptive.bit_allocation`),
-normalization layers starting at the budget; :func:`rank_counts` spreads a layer's bits by
-rank over a batch, :func:`plan_prior_bits` gives the bits before any plan, and
-:func:`plan_variance`, :func:`plan_average_bits` say what a plan predicts and costs.
+:func:`ranked_plans` hands the units bits with the one allocator
+(:mod:`actcore.adaptive.bit_allocation`), normalization layers starting at the budget;
+:func:`rank_counts` spreads a layer's bits by rank over a batch, :func:`plan_prior_bits`
+gives the bits before any plan, and :func:`plan_variance`, :func:`plan_average_bits` say
+what a plan predicts and costs.
 """
 
 from __future__ import annotations

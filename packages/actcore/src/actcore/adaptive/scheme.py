@@ -28,10 +28,11 @@ Allocation. Every ``interval`` steps, :meth:`AdaptiveBits.replan` minimises
 ``sum V_li(b_li)`` subject to ``sum cost_li * b_li <= budget * sum cost_li`` (``cost``: the
 elements stored) over integer ``b`` in ``[min_bits, max_bits]``: the gains of one more bit
 shrink with ``b``, so taking increments greedily by gain per cost is the classic solution of
-this separable convex problem (:func:`actcore.adaptive.bit_allocation.allocate`). Normalization layers start at ``ceil(budget)`` bits instead
-of ``min_bits``: their input error also reaches the input gradient, which this model does not
-count (at 1 bit, LayerNorm inputs stalled the fine-tuning of a real MiniLM that uniform 2 bits
-trained as well as fp32). Samples are not the same from step to step, so the plan is
+this separable convex problem (:func:`actcore.adaptive.bit_allocation.allocate`).
+Normalization layers start at ``ceil(budget)`` bits instead of ``min_bits``: their input
+error also reaches the input gradient, which this model does not count (at 1 bit,
+LayerNorm inputs stalled the fine-tuning of a real MiniLM that uniform 2 bits trained as
+well as fp32). Samples are not the same from step to step, so the plan is
 per *rank*: the sample with the largest ``w`` in a batch gets the bits planned for rank 0,
 and so on (for a fixed set of bit counts, giving the most bits to the largest ``w`` is
 optimal). Ranking happens on the device and the counts per bits are host data, so no step

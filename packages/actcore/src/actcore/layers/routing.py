@@ -22,7 +22,8 @@ in-place forms), ``F.relu6``, ``F.hardtanh``,           that the next layer save
 ``F.rms_norm``                                          norm bits, exact statistics
 ``F.cross_entropy`` (class indices)                     the head linear's input and weight, to
                                                         recompute the logits exactly (else the
-                                                        logits at 8 bits; :mod:`actcore.layers.loss`)
+                                                        logits at 8 bits;
+                                                        :mod:`actcore.layers.loss`)
 ``F.scaled_dot_product_attention``,                     q, k, v at the level's bits; backward
 ``F.multi_head_attention_forward``                      reruns the same kernel on them
 (``nn.MultiheadAttention``)                             (:mod:`actcore.layers.attention`,
@@ -407,8 +408,9 @@ class FunctionalRouter:
     """Routes functional calls (see the module docstring) at one level of the layer route.
 
     ``fewbit_bits``: derivative bits of smooth activations (None: not routed).
-    Called by :class:`actcore.saved_tensors.op_mode.OpMode` as ``router(func, args, kwargs)``; returns
-    the routed result or ``NotImplemented`` (the mode then calls ``func`` itself).
+    Called by :class:`actcore.saved_tensors.op_mode.OpMode` as ``router(func, args,
+    kwargs)``; returns the routed result or ``NotImplemented`` (the mode then calls
+    ``func`` itself).
     """
 
     def __init__(self, spec: LevelSpec, fewbit_bits: int | None) -> None:

@@ -12,9 +12,9 @@ forward) it pushes
   outputs at 4 bits at least, log-probabilities and the forward's own constants exact),
   while tensors a Q-layer packed pass through (and a tensor a Q-layer packed is not stored
   twice), and
-* an :class:`actcore.saved_tensors.op_mode.OpMode` with a :class:`actcore.layers.routing.FunctionalRouter`, so
-  functional ReLUs, dropouts, smooth activations and normalizations get the Q-layers'
-  tailored compressors.
+* an :class:`actcore.saved_tensors.op_mode.OpMode` with a
+  :class:`actcore.layers.routing.FunctionalRouter`, so functional ReLUs, dropouts, smooth
+  activations and normalizations get the Q-layers' tailored compressors.
 
 Re-entrant (a nested or recursive call of the root enters once), and a no-op without a
 pending backward (``torch.no_grad``, inference). Modules excluded from conversion run

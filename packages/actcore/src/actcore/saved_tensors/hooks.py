@@ -331,8 +331,8 @@ class SavedTensorHooks:
 
     def _floored(self, t: Tensor, bits: int) -> int:
         """``bits``, raised where ``t`` is the input of the running call of
-        :data:`actcore.saved_tensors.op_mode.FLOORED_INPUTS`: a batch norm's on few values per channel,
-        a smooth activation's to :data:`ACTIVATION_BITS`."""
+        :data:`actcore.saved_tensors.op_mode.FLOORED_INPUTS`: a batch norm's on few values
+        per channel, a smooth activation's to :data:`ACTIVATION_BITS`."""
         mode = getattr(self._local, "mode", None)
         if mode is None or mode.floored_input == 0 or storage_ptr(t) != mode.floored_input:
             return bits
@@ -341,8 +341,8 @@ class SavedTensorHooks:
         return max(bits, ACTIVATION_BITS)
 
     def _keeps_exact(self, t: Tensor) -> bool:
-        """What the op now saving needs exact (see :mod:`actcore.saved_tensors.op_mode`), log-probabilities
-        (their backward exponentiates them: ``E[exp(q(x))] != exp(x)``), and, when
+        """What the op now saving needs exact (see :mod:`actcore.saved_tensors.op_mode`),
+        log-probabilities (their backward exponentiates them: ``E[exp(q(x))] != exp(x)``), and, when
         ``tailored``, the float constants a forward makes outside the autograd graph (rotary
         cos/sin, position biases): anything without history that is not on one of the root
         forward's inputs."""
@@ -517,8 +517,8 @@ def compress_saved_tensors(
         min_numel: tensors with fewer elements are kept as they are.
         group_size: quantization group size (a positive multiple of 8).
         exact_ops: keep the tensors saved by ops that compare or divide saved values exact
-            (see :mod:`actcore.saved_tensors.exact_ops`); ``False`` quantizes them too (their gradients
-            are then wrong: only for measuring what that costs).
+            (see :mod:`actcore.saved_tensors.exact_ops`); ``False`` quantizes them too (their
+            gradients are then wrong: only for measuring what that costs).
     """
     return SavedTensorHooks(
         policy, model=model, min_numel=min_numel, group_size=group_size, exact_ops=exact_ops

@@ -16,11 +16,11 @@ so neither the hook nor a dispatch mode can tell which op saved a tensor. A
   autograd graph (sdpa's ``logsumexp``; not their inputs) are kept exact, as quantizing
   them gives NaN gradients;
 
-and, given a ``router`` (:class:`actcore.layers.routing.FunctionalRouter`), it hands functional calls
-(``F.relu``, ``F.gelu``, ``F.layer_norm``, ``F.dropout``...) to the tailored autograd
-functions of the layer-swap route, so a model's functional code is compressed as its
-modules are. The mode sees the outermost call only (a call made inside another torch
-function's Python body, or from C++, is not seen).
+and, given a ``router`` (:class:`actcore.layers.routing.FunctionalRouter`), it hands
+functional calls (``F.relu``, ``F.gelu``, ``F.layer_norm``, ``F.dropout``...) to the
+tailored autograd functions of the layer-swap route, so a model's functional code is
+compressed as its modules are. The mode sees the outermost call only (a call made inside
+another torch function's Python body, or from C++, is not seen).
 """
 
 from __future__ import annotations
@@ -180,7 +180,8 @@ class DataMarks:
 
 
 class OpMode(ExactOps):
-    """:class:`~actcore.saved_tensors.exact_ops.ExactOps` plus attention tagging and functional routing.
+    """:class:`~actcore.saved_tensors.exact_ops.ExactOps` plus attention tagging and
+    functional routing.
 
     ``suspended`` (a zero-argument callable): while it returns True (an excluded module is
     running), calls go through untouched.
