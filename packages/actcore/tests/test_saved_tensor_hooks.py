@@ -403,3 +403,20 @@ def test_attention_reruns_from_packed_qkv(multihead: bool) -> None:
         assert float((got - exact).norm() / exact.norm()) < 0.3
     assert shapes.count(torch.Size([4, 4, 32, 16])) == 3  # q, k, v only
     assert torch.Size([4, 4, 32]) not in shapes  # no logsumexp
+    for level, rerun in (("L1", True), ("L0", False)):  # L0: torch's own kernel, as it is
+        with compress_saved_tensors(level, model=model):
+            nodes = _graph_nodes(model(x))
+        assert any(n.startswith("AttentionFunction") for n in nodes) == rerun, (level, nodes)
+
+
+def _graph_nodes(out: torch.Tensor) -> set[str]:
+    """The class names of every node of ``out``'s autograd graph."""
+    seen, todo, names = set(), [out.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(f for f, _ in node.next_functions)
+    return names

@@ -111,10 +111,15 @@ class AttentionRouter:
     and reruns the call in backward. A fused kernel's own backward would recompute the
     probabilities as ``exp(q k^T * scale - logsumexp)`` from rounded q and k and an exact
     ``logsumexp``: no longer normalised, and with an outlier feature its gradient
-    overflows."""
+    overflows. Where ``hooks``' policy keeps everything as it is (L0), calls run as they are."""
+
+    def __init__(self, hooks: SavedTensorHooks) -> None:
+        self.hooks = hooks
 
     def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if torch.compiler.is_compiling() or stash.in_checkpoint():
+        if not self.hooks.policy.compresses or torch.compiler.is_compiling():
+            return NotImplemented
+        if stash.in_checkpoint():
             # (checkpoint keeps nothing in its region and reruns it plainly in backward)
             return NotImplemented
         if func is F.scaled_dot_product_attention:
@@ -180,7 +185,7 @@ class SavedTensorHooks:
         self._warned_enclosed = False
         self.exact_ops = bool(exact_ops)
         self.tailored = bool(tailored)
-        self.router = AttentionRouter() if router is None else router
+        self.router = AttentionRouter(self) if router is None else router
         self.module_keys = bool(module_keys)
         if model is not None:
             self.attach(model)
