@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from ..compressors import Compressor, Quantize, Tensors, ZeroValue
+from ..compressors.base import Wrapping
 from .stats import LayerStats
 
 __all__: list[str] = []
@@ -22,7 +23,7 @@ class _Recorder(Protocol):
 
 
 @dataclass(frozen=True, eq=False)
-class Recording(Compressor):
+class Recording(Wrapping):
     """``inner``, handing the statistics of what it packed to the scheme's ``_take`` (read
     off the quantizer's own per-group steps, no pass over the tensor of its own). Packs,
     unpacks and compares as ``inner``."""
@@ -37,14 +38,6 @@ class Recording(Compressor):
     @property
     def name(self) -> str:  # type: ignore[override]
         return self.inner.name
-
-    @property
-    def lossy(self) -> bool:  # type: ignore[override]
-        return self.inner.lossy
-
-    @property
-    def unbiased(self) -> bool:  # type: ignore[override]
-        return self.inner.unbiased
 
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         tensors, meta = self.inner.pack(x)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["IDENTITY", "Compressor", "Tensors"]
+__all__ = ["IDENTITY", "Compressor", "Tensors", "Wrapping"]
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -38,3 +38,18 @@ class Compressor:
 
 
 IDENTITY = Compressor()
+
+
+class Wrapping(Compressor):
+    """Base of a compressor around another one, its ``inner`` (a field of the subclass):
+    as lossy and as unbiased as ``inner``."""
+
+    inner: Compressor
+
+    @property
+    def lossy(self) -> bool:  # type: ignore[override]
+        return self.inner.lossy
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        return self.inner.unbiased

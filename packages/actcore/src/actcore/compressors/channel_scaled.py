@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .base import Compressor, Tensors
+from .base import Compressor, Tensors, Wrapping
 
 __all__ = [
     "OUTLIER_RATIO",
@@ -128,7 +128,7 @@ def scaled(
 
 
 @dataclass(frozen=True)
-class ChannelScaled(Compressor):
+class ChannelScaled(Wrapping):
     """``inner`` applied to ``x`` with its outlier channels along ``dim`` kept apart (see
     the module doc): the ``exact`` largest kept as they are, the others above ``ratio``
     times the median channel scaled down."""
@@ -144,14 +144,6 @@ class ChannelScaled(Compressor):
     @property
     def name(self) -> str:  # type: ignore[override]
         return "channel_scaled"
-
-    @property
-    def lossy(self) -> bool:  # type: ignore[override]
-        return self.inner.lossy
-
-    @property
-    def unbiased(self) -> bool:  # type: ignore[override]
-        return self.inner.unbiased
 
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         dim = self.dim % x.dim()

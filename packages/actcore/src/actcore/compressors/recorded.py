@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..saved_tensors.pass_stats import record_stats
-from .base import Compressor
+from .base import Compressor, Wrapping
 
 __all__ = ["Recorded"]
 
 
 @dataclass(frozen=True, eq=False)
-class Recorded(Compressor):
+class Recorded(Wrapping):
     """Packs with ``inner`` and records its spread in ``recorder.stats`` under ``stat_key``.
 
     ``recorder``: what holds the estimate's :class:`actcore.saved_tensors.pass_stats.PassStats`
@@ -29,14 +29,6 @@ class Recorded(Compressor):
     bits: int
     recorder: Any
     name = "recorded"
-
-    @property
-    def lossy(self) -> bool:  # type: ignore[override]
-        return self.inner.lossy
-
-    @property
-    def unbiased(self) -> bool:  # type: ignore[override]
-        return self.inner.unbiased
 
     def pack(self, x: Any) -> tuple[Any, Any]:
         tensors, meta = self.inner.pack(x)

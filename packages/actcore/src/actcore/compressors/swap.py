@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .base import IDENTITY, Compressor, Tensors
+from .base import IDENTITY, Compressor, Tensors, Wrapping
 
 __all__ = ["PrefetchQueue", "Swap"]
 
@@ -108,7 +108,7 @@ def _prefetch(entry: _SwapEntry) -> None:
 
 
 @dataclass(frozen=True)
-class Swap(Compressor):
+class Swap(Wrapping):
     """Moves what ``inner`` packs to pinned CPU memory, asynchronously; back in backward.
 
     On a CPU tensor it is ``inner`` alone (there is nowhere to swap to). On CUDA, unpacking
@@ -121,14 +121,6 @@ class Swap(Compressor):
     inner: Compressor = IDENTITY
     prefetch: int = 2
     name = "swap"
-
-    @property
-    def lossy(self) -> bool:  # type: ignore[override]
-        return self.inner.lossy
-
-    @property
-    def unbiased(self) -> bool:  # type: ignore[override]
-        return self.inner.unbiased
 
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         tensors, meta = self.inner.pack(x)
