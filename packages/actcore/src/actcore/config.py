@@ -74,6 +74,12 @@ class LevelSpec:
                 object.__setattr__(self, name, same)
 
     @property
+    def packs(self) -> bool:
+        """Whether the level changes what a forward keeps at all (it compresses or swaps);
+        False: plain PyTorch (L0)."""
+        return self.compresses or self.swap
+
+    @property
     def compresses(self) -> bool:
         return any(
             b is not None

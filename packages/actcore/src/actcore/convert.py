@@ -162,7 +162,7 @@ def convert(
     attach_stream(model, seed)
     _set_adaptive(model, spec.adaptive and scheme is None)
     set_policy(model, scheme)
-    if layers_only or not (spec.compresses or spec.swap):
+    if layers_only or not spec.packs:
         detach_scope(model)
     else:
         attach_scope(model, spec, fewbit_bits=fewbit_bits, excluded=list(done.excluded.values()))

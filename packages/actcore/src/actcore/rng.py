@@ -34,6 +34,7 @@ __all__ = [
     "current",
     "forward_raised",
     "release",
+    "transforms_active",
     "using",
 ]
 
@@ -143,14 +144,18 @@ def forward_raised(output: Any) -> bool:
 def _compresses(model: torch.nn.Module) -> bool:
     """Whether any layer of ``model`` keeps compressed tensors (a scope, or a converted layer
     whose level compresses or swaps); at L0 every layer runs plain PyTorch."""
-    for module in model.modules():
-        if module.__dict__.get("act_scope") is not None:
-            return True
-        if hasattr(module, "act_spec"):  # a converted layer (None: the process-wide level)
-            spec = module.act_spec or config.spec
-            if spec.compresses or spec.swap:
-                return True
-    return False
+    return any(
+        module.__dict__.get("act_scope") is not None
+        # a converted layer (act_spec None: the process-wide level)
+        or (hasattr(module, "act_spec") and (module.act_spec or config.spec).packs)
+        for module in model.modules()
+    )
+
+
+def transforms_active() -> bool:
+    """Whether a torch.func transform (grad, vmap, jacrev, ...) is running."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active is not None and active())
 
 
 def _refuse_functorch(module: torch.nn.Module) -> None:
@@ -160,8 +165,7 @@ def _refuse_functorch(module: torch.nn.Module) -> None:
     out). At L0 the layers run plain PyTorch, and the transforms work."""
     if torch.compiler.is_compiling():  # no graph break for the check
         return
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    if active is not None and active() and _compresses(module):
+    if transforms_active() and _compresses(module):
         raise RuntimeError(
             f"actcore: the converted {type(module).__name__} cannot run under torch.func "
             "transforms (grad, vmap, jacrev, ...): its layers keep compressed tensors in "

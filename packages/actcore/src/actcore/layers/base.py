@@ -9,21 +9,15 @@ import torch
 from torch import nn
 
 from ..config import LevelSpec, level_spec
+from ..rng import transforms_active
 from ..saved_tensors.op_mode import call_outside_modes
 from .stash import layer_spec, needs_saving
 
 __all__ = [
     "ConvertedLayer",
     "QLayer",
-    "transforms_active",
     "unsupported_reason",
 ]
-
-
-def transforms_active() -> bool:
-    """Whether a torch.func transform (grad, vmap, jacrev, ...) is running."""
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return bool(active is not None and active())
 
 
 class ConvertedLayer:
@@ -71,7 +65,7 @@ class QLayer(ConvertedLayer):
         at a level that compresses (its autograd Functions keep compressed tensors in state
         the transforms do not see)."""
         spec = layer_spec(self)
-        if spec.compresses or spec.swap:
+        if spec.packs:
             raise RuntimeError(
                 f"actcore: {type(self).__name__} at {spec.name} cannot run under torch.func "
                 "transforms (grad, vmap, jacrev, ...): it keeps compressed tensors in autograd "
@@ -80,8 +74,7 @@ class QLayer(ConvertedLayer):
             )
 
     def _compresses(self, *tensors: torch.Tensor | None) -> bool:
-        spec = layer_spec(self)
-        return (spec.compresses or spec.swap) and needs_saving(*tensors)
+        return layer_spec(self).packs and needs_saving(*tensors)
 
     def extra_repr(self) -> str:
         base = super().extra_repr()  # type: ignore[misc]

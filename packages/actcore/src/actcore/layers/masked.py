@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import QLayer, transforms_active
+from ..rng import transforms_active
+from .base import QLayer
 from .masked_functions import (
     DropoutFunction,
     MaskedActivationFunction,

@@ -6,8 +6,9 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import _ntuple
 
+from ..rng import transforms_active
 from .autocast import autocast_inputs
-from .base import QLayer, transforms_active
+from .base import QLayer
 from .pool_functions import AvgPoolFunction, MaxPoolFunction
 from .stash import needs_saving
 
