@@ -20,6 +20,7 @@ import torch
 from ..compressors import IDENTITY, Compressor, Derived, Quantize, Swap, Tensors, ZeroValue
 from ..compressors.channel_scaled import scaled
 from ..config import LevelSpec, config
+from ..memory import saved_hooks
 from ..saved_tensors.handles import check_version
 
 __all__ = [
@@ -171,19 +172,13 @@ def layer_spec(layer: Any) -> LevelSpec:
     return spec if spec is not None else config.spec
 
 
-_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
 
 
 def top_hooks() -> tuple[Any, Any] | None:
-    """The innermost active saved-tensor hooks ``(pack, unpack)``, None without any (or
-    while Dynamo traces: it cannot trace the accessor)."""
-    if _TOP_HOOKS is None or torch.compiler.is_compiling():
-        return None
-    try:
-        return _TOP_HOOKS(True)
-    except TypeError:  # a build whose accessor takes no argument
-        return _TOP_HOOKS()
+    """:func:`actcore.memory.saved_hooks.top_hooks`, None while Dynamo traces (it cannot
+    trace the accessor)."""
+    return None if torch.compiler.is_compiling() else saved_hooks.top_hooks()
 
 
 def is_checkpoint_hook(pack: Any) -> bool:

@@ -73,15 +73,23 @@ def unpack_hook(saved: _Saved) -> Tensor:
     return t
 
 
+def top_hooks() -> tuple[Any, Any] | None:
+    """The innermost active saved-tensor hooks ``(pack, unpack)``; None without any, and on
+    a torch that cannot say (before 2.8: :func:`hooks_state` probes instead)."""
+    if _TOP_HOOKS is None:
+        return None
+    try:
+        return _TOP_HOOKS(True)
+    except TypeError:  # a build whose accessor takes no argument
+        return _TOP_HOOKS()
+
+
 def hooks_state() -> str:
     """Which saved-tensor hooks are on top now: 'none', 'own', 'foreign' or 'disabled'."""
     if _HOOKS_ENABLED is not None and not _HOOKS_ENABLED():
         return "disabled"
     if _TOP_HOOKS is not None:
-        try:
-            top = _TOP_HOOKS(True)
-        except TypeError:  # a build whose accessor takes no argument
-            top = _TOP_HOOKS()
+        top = top_hooks()
         if top is None:
             return "none"
         return "own" if top[0] is pack_hook else "foreign"
