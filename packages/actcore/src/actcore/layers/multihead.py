@@ -19,12 +19,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..saved_tensors.op_mode import wants_grad
+from ..saved_tensors.op_mode import plain_tensor, wants_grad
 from .attention import attention
 
 __all__ = ["multi_head_attention"]
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 _HELPERS = ("_canonical_mask", "_none_or_dtype", "_in_projection_packed")
 
@@ -54,7 +53,7 @@ def multi_head_attention(layer: Any, args: tuple, kwargs: dict) -> Any:
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     if not wants_grad(*tensors):
         return NotImplemented
-    if not all(type(t) in _PLAIN and t.layout == torch.strided for t in tensors):
+    if not all(plain_tensor(t) for t in tensors):
         return NotImplemented
 
     try:

@@ -55,7 +55,6 @@ from .stash import NORMALIZED, derive_from, in_checkpoint, note_output
 
 __all__ = ["FunctionalLayer", "FunctionalRouter"]
 
-_PLAIN = (Tensor, torch.nn.Parameter)
 _Handler = Callable[["FunctionalRouter", tuple, dict], Any]
 
 
@@ -75,13 +74,7 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
 
 def _saves(x: Any) -> bool:
     """Whether ``x`` is a plain floating tensor whose op will save something for backward."""
-    return (
-        type(x) in _PLAIN
-        and x.requires_grad
-        and torch.is_grad_enabled()
-        and x.is_floating_point()
-        and x.layout == torch.strided
-    )
+    return plain_float(x) and wants_grad(x)
 
 
 # ---- ReLU family: the Q-layers' masked activation ------------------------------------------

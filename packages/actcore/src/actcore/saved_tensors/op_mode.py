@@ -44,6 +44,7 @@ __all__ = [
     "created_by_attention",
     "outside_function_modes",
     "plain_float",
+    "plain_tensor",
     "wants_grad",
 ]
 
@@ -96,13 +97,14 @@ def wants_grad(*tensors: Any) -> bool:
     )
 
 
+def plain_tensor(x: Any) -> bool:
+    """A strided tensor or parameter, no subclass: what routed calls take."""
+    return type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided
+
+
 def plain_float(x: Any) -> bool:
-    """A strided floating tensor or parameter, no subclass: what routed calls take."""
-    return (
-        type(x) in (torch.Tensor, torch.nn.Parameter)
-        and x.is_floating_point()
-        and x.layout == torch.strided
-    )
+    """A :func:`plain_tensor` of a floating dtype."""
+    return plain_tensor(x) and x.is_floating_point()
 
 
 def _storage(t: torch.Tensor) -> int:
