@@ -486,7 +486,9 @@ def _llama(variant: str, device: Any, dry: bool) -> Any:
 
 def part_llama(dry: bool, out: Path) -> dict[str, Any]:
     """Bytes held between forward and backward (memory_allocated after the forward minus
-    before it), the forward+backward peak, and step time; bf16 autocast, batch 2."""
+    before it), the forward+backward peak, and step time; bf16 autocast, batch 2. The
+    variants: plain sdpa, checkpointing, ``act_hf.convert`` (the layer route), both, and
+    the saved-tensor hooks route at L2 on the plain model."""
     import torch
 
     device = _device(dry)
@@ -494,11 +496,19 @@ def part_llama(dry: bool, out: Path) -> dict[str, Any]:
     ids = torch.randint(0, 1000, (2, seq), device=device)
     rows = []
     ref_grads = None
-    for variant in ("sdpa", "ckpt", "act", "ckpt+act"):
+    for variant in ("sdpa", "ckpt", "act", "ckpt+act", "hooks:L2"):
         model = _llama(variant, device, dry)
+        level = variant.split(":")[1] if variant.startswith("hooks:") else None
 
-        def forward(model: Any = model) -> Any:
-            with _autocast(device):
+        def forward(model: Any = model, level: str | None = level) -> Any:
+            import actcore
+
+            saved = (
+                actcore.compress_saved_tensors(level, model=model)
+                if level
+                else contextlib.nullcontext()
+            )
+            with _autocast(device), saved:
                 return model(input_ids=ids, labels=ids, use_cache=False).loss
 
         forward().backward()  # the first step (the loss finds the head)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+from typing import Any
 
 import pytest
 import torch
@@ -36,13 +37,15 @@ def saved_by_graph(out: Tensor, exclude: list[Tensor]) -> int:
     """Independent count: the ``_saved_*`` tensors of every node behind ``out``, by storage."""
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     storages: dict[int, int] = {}
-    seen: set[int] = set()
+    # The nodes themselves, not their id(): a node's Python wrapper can be freed once
+    # popped, and a later node's wrapper can then reuse its id (torch 2.11 does).
+    seen: set[Any] = set()
     stack = [out.grad_fn]
     while stack:
         node = stack.pop()
-        if node is None or id(node) in seen:
+        if node is None or node in seen:
             continue
-        seen.add(id(node))
+        seen.add(node)
         for name in dir(node):
             if name.startswith("_saved_"):
                 value = getattr(node, name)
