@@ -74,6 +74,7 @@ from ..layers import stash
 from ..layers.attention import scaled_dot_product_attention, shared_exact_dims
 from ..layers.multihead import multi_head_attention
 from ..policies import as_policy
+from . import compiled
 from .handles import Handle, Stored, canonical, is_param_like, storage_ptr
 from .op_mode import DataMarks, OpMode, created_by_attention
 from .pass_stats import PassStats, record_stats
@@ -220,6 +221,8 @@ class SavedTensorHooks:
 
     def _make_pre(self, name: str):
         def pre(module: nn.Module, args: Any) -> None:
+            if torch.compiler.is_compiling():
+                return  # keys name eager saves; compiled graphs inline their own packing
             if not self._frames:  # a new forward of the root (or of a part of the model)
                 self._calls.clear()
                 self._global = 0  # saves after it (e.g. the loss) count from here
@@ -232,6 +235,8 @@ class SavedTensorHooks:
 
     def _make_post(self, name: str):
         def post(module: nn.Module, args: Any, output: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
             for i in range(len(self._frames) - 1, -1, -1):
                 if self._frames[i][0] == name:
                     del self._frames[i:]
@@ -254,7 +259,14 @@ class SavedTensorHooks:
             raise RuntimeError("these saved-tensor hooks are already active")
         self._warn_if_enclosed()
         self._global = 0
-        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        if compiled.inlining_supported():
+            # fx graphs: inlined into what torch.compile compiles, eager saves call self.pack
+            compiled.push_owner(self)
+            hooks = torch.autograd.graph.saved_tensors_hooks(
+                *compiled.graph_hooks(self.graph_policy())
+            )
+        else:
+            hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         hooks.__enter__()
         self._local.hooks = hooks
         mode = OpMode(
@@ -277,6 +289,18 @@ class SavedTensorHooks:
         finally:
             if hooks is not None:
                 hooks.__exit__(*exc)
+            compiled.pop_owner(self)
+
+    def graph_policy(self) -> compiled.GraphPolicy:
+        """What the graphs inlined into compiled code apply: the policy's fixed bits (an
+        adaptive policy's default bits: its per-tensor plan is keyed by eager saves)."""
+        bits = getattr(self.policy, "bits", None) if self.policy.compresses else None
+        if bits is None and self.policy.compresses:
+            default = getattr(self.policy, "default_bits", None)
+            bits = default() if default is not None else ACTIVATION_BITS
+        return compiled.GraphPolicy(
+            bits, self.min_numel, self.group_size, self.exact_ops, ACTIVATION_BITS
+        )
 
     def _warn_if_enclosed(self) -> None:
         """Warn once when other saved-tensor hooks (a user's, ``save_on_cpu``, a profiler's)

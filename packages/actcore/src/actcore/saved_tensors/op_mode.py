@@ -211,6 +211,10 @@ class OpMode(ExactOps):
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # Dynamo traces this mode: compiled graphs get their treatment from the graphs
+            # inlined into them (actcore.saved_tensors.compiled), not from per-call state
+            return func(*args, **kwargs)
         if self.suspended is not None and self.suspended():
             return func(*args, **kwargs)
         check = exact_check(func) if self.exact else None
@@ -247,10 +251,6 @@ class OpMode(ExactOps):
                 self.floored_input, self.floored_kind = outer
         else:
             out = func(*args, **kwargs)
-        if torch.compiler.is_compiling():
-            # Dynamo traces this mode: the per-tensor bookkeeping below keys tensors by
-            # identity and storage, which a traced graph's intermediates do not have
-            return out
         if self.marks is not None:
             self.marks.follow(out, args, kwargs)
         if self.router is not None:
