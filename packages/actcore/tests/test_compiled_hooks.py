@@ -169,36 +169,70 @@ def _recorded_treatments(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tup
 
 
 def test_transformer_block_treatments(monkeypatch: pytest.MonkeyPatch) -> None:
-    """q and k of sdpa's backward, its output and logsumexp, the logits and the norm
-    statistics stay exact; v and the products' inputs take the level's bits; the GELU's
-    input and the softmax output at least 4."""
+    """Attention is recomputed in backward from its packed q, k (4 bits at least, the
+    largest head feature exact) and v (the level's bits); the logits and the norm statistics stay exact; the
+    products' inputs take the level's bits, the GELU's input and the softmax output at least
+    4; the gradients stay close to the plain compiled model's."""
     seen = _recorded_treatments(monkeypatch)
     torch.manual_seed(0)
     block = Block()
-    plain = copy.deepcopy(block)
+    plain, eager = copy.deepcopy(block), copy.deepcopy(block)
     x = torch.randn(4, 48, 64)
     y = torch.randint(0, 50, (4, 48))
     cb = torch.compile(block, fullgraph=True)
     with actcore.compress_saved_tensors("L1.2", min_numel=256):
         loss = cb(x, y)
+        eager(x, y).backward()  # the eager hooks route, for comparison
     ref = torch.compile(plain, fullgraph=True)(x, y)
     assert torch.equal(loss, ref)
     loss.backward()
-    assert all(torch.isfinite(p.grad).all() for p in block.parameters())
-    why = {w.why for _, _, w in seen}
-    assert "q or k of an attention backward" in why
-    assert "a softmax's input (logits)" in why
-    assert any(w.why.startswith("made by aten._scaled_dot_product") for _, _, w in seen)
+    ref.backward()
+    exact = torch.cat([p.grad.flatten() for p in plain.parameters()])
+
+    def cosine(model: nn.Module) -> float:
+        got = torch.cat([p.grad.flatten() for p in model.parameters()])
+        return F.cosine_similarity(got, exact, 0).item()
+
+    # 2 bits on a tiny block: 0.81 compiled, 0.83-0.85 eager (0.99 both at 4 bits)
+    assert cosine(block) > 0.9 * cosine(eager)
     by_node = {name: (shape, w) for name, shape, w in seen}  # (each node is traced twice)
+    why = {w.why for _, w in by_node.values()}
+    assert "a softmax's input (logits)" in why and "q or k of an attention backward" not in why
     heads = [w for shape, w in by_node.values() if shape == (4, 4, 48, 16)]
-    kept = [w for w in heads if w.kind == "keep"]
-    quantized = [w for w in heads if w.kind == "quantize"]
-    assert len(kept) == 3 and len(quantized) == 1 and quantized[0].bits == 2  # q, k, out / v
-    for _, shape, w in seen:
+    qk = [w for w in heads if w.why == "q or k of a recomputed attention"]
+    assert len(qk) == 2 and all(w.bits == 4 and w.exact_features == 1 for w in qk)
+    assert [w.bits for w in heads if w not in qk] == [2]  # v
+    for shape, w in by_node.values():
         if w.kind != "keep":
             assert w.bits >= (2 if w.why == "read by products only" else 4)
         if shape in ((192, 256), (4, 48, 48)) and w.why == "read nonlinearly":
             assert w.bits == 4  # the GELU's input, the softmax's output
+
+
+def test_attention_with_an_outlier_feature() -> None:
+    """One head feature of q and k 200x the others (as in large language models): with that
+    feature exact the gradients stay close at 4 bits (0.04-0.16 relative error; quantized
+    with the rest it was 2 to 56)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 64, 32)
+    weights = [torch.randn(32, 32) / 32**0.5 for _ in range(3)]
+    weights[0][:, 3] *= 200
+    weights[1][:, 3] *= 200
+
+    def f(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(x @ wq, x @ wk, x @ wv, is_causal=True)
+        return out.square().sum()
+
+    inputs = [t.clone().requires_grad_() for t in (x, *weights)]
+    f(*inputs).backward()
+    exact = [t.grad for t in inputs]
+    inputs = [t.clone().requires_grad_() for t in (x, *weights)]
+    with actcore.compress_saved_tensors("L1", min_numel=256):
+        loss = torch.compile(f, fullgraph=True)(*inputs)
+    loss.backward()
+    for t, ref in zip(inputs, exact, strict=True):
+        assert torch.isfinite(t.grad).all()
+        assert (t.grad - ref).norm() / ref.norm() < 0.3
 
 
 def test_dynamic_sequence_lengths_share_one_graph() -> None:
@@ -219,3 +253,24 @@ def test_dynamic_sequence_lengths_share_one_graph() -> None:
         for t in (48, 40, 64):
             assert torch.isfinite(step(t))
     assert all(torch.isfinite(p.grad).all() for p in block.parameters())
+
+
+def test_rounding_leaves_torch_generator_alone(mlp_pair: tuple[Any, ...]) -> None:
+    """The noise comes from actcore's own seeds (``actcore::rounding_noise``): a compiled
+    step with the hooks leaves torch's generator where it found it, so dropout and other
+    random ops see the stream they would see without actcore."""
+    model, _, cm, _ = mlp_pair
+    _step(model, cm, "L1.2")  # compiled
+    state = torch.get_rng_state()
+    _step(model, cm, "L1.2")
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_rounding_noise_op() -> None:
+    anchor = torch.empty(0)
+    a = actcore.ops.seeds.rounding_noise(anchor, [3, 256])
+    b = actcore.ops.seeds.rounding_noise(anchor, [3, 256])
+    assert a.shape == (3, 256) and a.dtype == torch.float32
+    assert ((a >= 0) & (a < 1)).all() and not torch.equal(a, b)
+    # 768 uniforms: the mean within 4 standard deviations (1/sqrt(12 * 768)) of 1/2
+    assert abs(a.mean().item() - 0.5) < 4 / (12 * 768) ** 0.5

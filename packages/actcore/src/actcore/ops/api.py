@@ -7,8 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from . import library
-from .noise import MASK32, SEED_LIMIT, mix32
+from .noise import SEED_LIMIT
 from .packed import Packed
+from .seeds import new_seed, reset_seed_stream
 
 # the ops' checked API, re-exported by actcore.ops; the check_* validators serve the compressors and policies
 __all__ = [
@@ -53,35 +54,6 @@ def check_group_size(group_size: object) -> int:
 def check_float_dtype(dtype: torch.dtype, what: str = "quantize") -> None:
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"{what} takes floating tensors ({_FLOAT_NAMES}), got {dtype}")
-
-
-_seed_state = {"base": None, "count": 0}
-
-
-def new_seed() -> int:
-    """A fresh seed, without drawing from (and so without perturbing) torch's generators.
-
-    Inside a converted model's (or a Controller's) forward, the next seed of that model's own
-    :class:`actcore.rng.SeedStream`. Elsewhere, seeds follow a per-process counter keyed by
-    ``torch.initial_seed()``: a process that calls ``torch.manual_seed(s)`` gets the same
-    sequence each run, and a new seed value restarts it. :func:`reset_seed_stream` restarts
-    it in-process. No device sync.
-    """
-    from ..rng import current
-
-    stream = current()
-    if stream is not None:
-        return stream.next_seed()
-    base = torch.initial_seed()
-    if base != _seed_state["base"]:
-        _seed_state["base"], _seed_state["count"] = base, 0
-    _seed_state["count"] += 1
-    return (mix32(base & MASK32) << 31 ^ mix32(_seed_state["count"] & MASK32) ^ base) % SEED_LIMIT
-
-
-def reset_seed_stream() -> None:
-    """Restart the sequence of :func:`new_seed` (e.g. to repeat a run in one process)."""
-    _seed_state["base"], _seed_state["count"] = None, 0
 
 
 def check_seed(seed: int | None) -> int:

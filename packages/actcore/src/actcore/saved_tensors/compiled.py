@@ -14,21 +14,23 @@ compiled graph, they hand each tensor to the active ``SavedTensorHooks``' own pa
 (the eager route, unchanged). Traced into a compiled graph, they see the saved node, its
 producer and its consumers in the backward graph, and treat it by kind (:func:`treatment`):
 
-* kept as it is: non-float tensors, fewer than ``min_numel`` elements, log-probabilities,
-  reductions and normalization statistics, attention outputs and logsumexp, q and k of an
-  attention backward, and (with ``exact_ops``) anything a comparison, division, power, log
-  or exp in backward reads;
+* kept as it is: non-float tensors, fewer than ``min_numel`` elements, a softmax's input
+  (logits: backward exponentiates them against their max), reductions and normalization
+  statistics, an attention's logsumexp, q and k of an attention backward (its kernel
+  rebuilds the probabilities as ``exp(q k^T - logsumexp)``), and (with ``exact_ops``)
+  anything a comparison, division, power, log or exp in backward reads;
 * a ReLU output: its 1-bit nonzero mask plus its values at the level's bits (the mask makes
   the ReLU's backward exact);
-* read only by matrix products and convolution backward (and as an attention's v): the
-  level's bits;
+* read only by matrix products and convolution backward (and as an attention's v or
+  output, which its backward reads linearly): the level's bits;
 * otherwise (a smooth activation's input, a softmax / sigmoid / tanh output, a norm's input):
   at least ``nonlinear_bits`` (the hooks route's
   :data:`~actcore.saved_tensors.hooks.ACTIVATION_BITS`).
 
-The quantization is stochastic rounding over groups of ``group_size`` elements with fresh
-random bits from the compiled graph's own generator on every call (no seed in the graph, no
-recompilation per step); codes are stored in 1-, 2-, 4- or 8-bit slots (3 bits in 4).
+The quantization is stochastic rounding over groups of ``group_size`` elements, its noise
+the native kernels' counter hash under a seed drawn when the graph runs (the
+``actcore::rounding_noise`` operator: fresh every call, no seed in the graph, no
+recompilation per step, torch's generators untouched); codes are stored in 1-, 2-, 4- or 8-bit slots (3 bits in 4).
 Forward outputs are those of the compiled plain graph: only what is saved changes.
 """
 
@@ -43,9 +45,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..ops.seeds import rounding_noise
+
 __all__ = ["GraphPolicy", "SavedHooksGraph", "graph_hooks", "inlining_supported", "treatment"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+EXACT_FEATURE_SHARE = 16
+"""q and k of a recomputed attention keep ``head_dim // EXACT_FEATURE_SHARE`` features (at
+least one) of largest magnitude exact."""
 
 
 def _context_reader() -> Any:
@@ -97,14 +104,28 @@ class _Eager:
     handle: Any
 
 
+_FILTERING: list[str] = []  # the filtering modes the pushes replaced, innermost last
+
+
 def push_owner(hooks: Any) -> None:
+    """Make ``hooks`` the one eager saves go to, and have compiled graphs pack what they save
+    from their inputs too (the filtering mode ``"no_static"``: all but parameters and
+    buffers). By default PyTorch packs only a graph's intermediates, so an activation that
+    crosses a graph break (an input of the next graph) would be kept whole."""
+    import torch._functorch.config as functorch_config
+
     _ACTIVE.append(hooks)
+    _FILTERING.append(functorch_config.saved_tensors_hooks_filtering_mode)
+    functorch_config.saved_tensors_hooks_filtering_mode = "no_static"
 
 
 def pop_owner(hooks: Any) -> None:
+    import torch._functorch.config as functorch_config
+
     for i in range(len(_ACTIVE) - 1, -1, -1):
         if _ACTIVE[i] is hooks:
             del _ACTIVE[i]
+            functorch_config.saved_tensors_hooks_filtering_mode = _FILTERING.pop()
             return
 
 
@@ -148,6 +169,8 @@ _EXACT_PRODUCERS = _packets(
     "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "native_group_norm",
     "_fused_rms_norm", "logsumexp",
 )  # fmt: skip
+# what an attention backward reads linearly: v (dP = dO v^T) and the output (D = rowsum(dO o))
+_ATTENTION_LINEAR = frozenset({"value", "out"})
 _SPLITS = _packets("split", "split_with_sizes", "chunk", "unbind", "tensor_split")
 _SOFTMAX_STATISTICS = _packets("amax", "logsumexp")
 _PROBABILITIES = _packets("_softmax", "softmax", "_safe_softmax", "sigmoid", "tanh")
@@ -159,20 +182,22 @@ def _packet(target: Any) -> Any:
     return getattr(target, "overloadpacket", target)
 
 
-def _producer(node: Any) -> Any:
-    """The op that made ``node``, through views and the pieces of a split (None: an input)."""
+def _producer(node: Any) -> tuple[Any, int | None]:
+    """The op that made ``node``, through views and the pieces of a split (None: an input),
+    and for an op with several outputs, which one."""
     while node.op == "call_function":
         op = _packet(node.target)
         if op in _VIEWS and node.args:
             node = node.args[0]
         elif node.target is operator.getitem:
             source = node.args[0]
-            if _packet(getattr(source, "target", None)) not in _SPLITS:
-                return _packet(getattr(source, "target", None))
+            source_op = _packet(getattr(source, "target", None))
+            if source_op not in _SPLITS:
+                return source_op, node.args[1]
             node = source.args[0]
         else:
-            return op
-    return None
+            return op, None
+    return None, None
 
 
 def _softmax_input(node: Any) -> bool:
@@ -191,6 +216,24 @@ def _softmax_input(node: Any) -> bool:
             if op in _VIEWS:
                 todo.append(user)
     return False
+
+
+def _argument_name(user: Any, pos: int) -> str | None:
+    schema = getattr(user.target, "_schema", None)
+    if schema is None or not 0 <= pos < len(schema.arguments):
+        return None
+    return schema.arguments[pos].name
+
+
+def _recomputed_logsumexp(user: Any) -> bool:
+    """Whether the attention backward ``user`` takes a logsumexp that the backward graph
+    recomputed (from the same packed q and k), not one saved from the forward."""
+    schema = getattr(user.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "logsumexp" not in names:
+        return False
+    lse = user.args[names.index("logsumexp")]
+    return isinstance(lse, torch.fx.Node) and lse.op != "placeholder"
 
 
 def _consumers(bw_graph: Any, name: str) -> list[tuple[Any, Any, int]]:
@@ -217,11 +260,14 @@ def _consumers(bw_graph: Any, name: str) -> list[tuple[Any, Any, int]]:
 @dataclass(frozen=True)
 class Treatment:
     """How one saved tensor is kept: ``kind`` is ``"keep"``, ``"quantize"`` or ``"relu"``
-    (mask plus values); ``bits`` the quantization's bits; ``why`` names the rule."""
+    (mask plus values); ``bits`` the quantization's bits; ``why`` names the rule;
+    ``exact_features``: how many features of the last dim (those of largest magnitude) are
+    kept exact beside the quantized rest."""
 
     kind: str
     bits: int | None = None
     why: str = ""
+    exact_features: int = 0
 
 
 def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) -> Treatment:
@@ -237,18 +283,24 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
             "quantize", max(policy.bits, policy.nonlinear_bits), why="no graph context"
         )
     node = context["_node"]
-    producer = _producer(node)
-    if producer in _EXACT_PRODUCERS or producer in _ATTENTION_FORWARDS:
+    producer, index = _producer(node)
+    if producer in _EXACT_PRODUCERS or (producer in _ATTENTION_FORWARDS and index != 0):
         return Treatment("keep", why=f"made by {producer}")
     if _softmax_input(node):
         return Treatment("keep", why="a softmax's input (logits)")
     consumers = _consumers(context["_bw_graph"], node.name)
     relu = producer in _RELUS
     linear = True
+    query_or_key = False
     for op, user, pos in consumers:
-        if op in _ATTENTION_BACKWARDS:
-            if pos != 3:  # q, k (and anything but v): the kernel rebuilds softmax from them
+        if op in _ATTENTION_BACKWARDS or op in _ATTENTION_FORWARDS:
+            if _argument_name(user, pos) in _ATTENTION_LINEAR:
+                continue
+            if op in _ATTENTION_BACKWARDS and not _recomputed_logsumexp(user):
+                # q and k: the kernel rebuilds the probabilities as exp(q k^T - logsumexp),
+                # against a logsumexp of the exact q and k
                 return Treatment("keep", why="q or k of an attention backward")
+            query_or_key = True
             continue
         if relu and op in _COMPARISONS and not isinstance(user.args[1 - pos], torch.fx.Node):
             continue  # the ReLU's own mask test: answered by the kept mask
@@ -257,6 +309,15 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
         if policy.exact_ops and op in _EXACT_CONSUMERS:
             return Treatment("keep", why=f"read by {op} in backward")
         linear = False
+    if query_or_key:
+        # its backward recomputes the attention from the packed q, k, v; the head features of
+        # largest magnitude stay exact (an outlier feature's rounding error, multiplied by
+        # the other's outlier, would swamp the logits)
+        bits = max(policy.bits, policy.nonlinear_bits)
+        features = max(1, x.shape[-1] // EXACT_FEATURE_SHARE) if x.dim() else 0
+        return Treatment(
+            "quantize", bits, why="q or k of a recomputed attention", exact_features=features
+        )
     kind = "relu" if relu else "quantize"
     if linear and producer not in _PROBABILITIES:
         return Treatment(kind, policy.bits, why="read by products only")
@@ -264,23 +325,19 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
 
 
 # ------------------------------------------------------------------------------ quantization
-def _noise(shape: list[int], device: torch.device, traced: bool) -> Tensor:
-    """Uniform [0, 1) noise: the compiled graph's own generator when traced (inductor draws a
-    fresh seed per call), ``torch.rand`` otherwise."""
-    if traced:
-        import torch._inductor.inductor_prims
-
-        seeds = torch.ops.prims.inductor_seeds.default(1, device)
-        seed = torch.ops.prims.inductor_lookup_seed.default(seeds, 0)
-        return torch.ops.prims.inductor_random.default(shape, seed, "rand")
-    return torch.rand(shape, device=device)
+def _noise(shape: list[int], anchor: Tensor) -> Tensor:
+    """Uniform [0, 1) noise (``actcore::rounding_noise``: the native kernels' counter hash
+    under a seed drawn when the graph runs: fresh every call, no seed in the graph, torch's
+    generators untouched). An opaque op: the integer hash inlined into each pack tripled the
+    graphs' compile time."""
+    return rounding_noise(anchor, shape)
 
 
 def _slot_bits(bits: int) -> int:
     return 1 << math.ceil(math.log2(bits))
 
 
-def _quantize(x: Tensor, bits: int, group_size: int, traced: bool) -> tuple[Tensor, ...]:
+def _quantize(x: Tensor, bits: int, group_size: int) -> tuple[Tensor, ...]:
     slot = _slot_bits(bits)
     flat = x.reshape(-1).float()
     numel = flat.numel()
@@ -291,8 +348,8 @@ def _quantize(x: Tensor, bits: int, group_size: int, traced: bool) -> tuple[Tens
     span = groups.amax(1, keepdim=True) - lo
     top = (1 << bits) - 1
     step = torch.where(span > 0, span / top, torch.ones_like(span))
-    noise = _noise([padded // group_size, group_size], x.device, traced)
-    codes = torch.floor((groups - lo) / step + noise).clamp_(0, top).to(torch.uint8)
+    u = _noise([padded // group_size, group_size], x)
+    codes = torch.floor((groups - lo) / step + u).clamp_(0, top).to(torch.uint8)
     per_byte = 8 // slot
     codes = codes.view(-1, per_byte)
     payload = codes[:, 0]
@@ -341,9 +398,18 @@ def _pack_graph(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) 
     if how.kind == "keep" or how.bits is None:
         return (x,)
     syms, layout = _shape_spec(x.shape)
-    payload, lo, step = _quantize(x, how.bits, policy.group_size, context is not None)
-    mask = (_pack_mask(x),) if how.kind == "relu" else ()
-    return (payload, lo, step, *mask, syms, (how.kind, how.bits, layout, x.dtype))
+    extra: tuple[Tensor, ...] = ()
+    data = x
+    if how.kind == "relu":
+        extra = (_pack_mask(x),)
+    elif how.exact_features:
+        magnitude = x.detach().abs().flatten(0, -2).amax(0)
+        index = magnitude.topk(how.exact_features).indices
+        extra = (x.index_select(-1, index), index)
+        data = x.index_fill(-1, index, 0)  # the rest's ranges without the outliers
+    payload, lo, step = _quantize(data, how.bits, policy.group_size)
+    meta = (how.kind, how.bits, layout, x.dtype, bool(how.exact_features))
+    return (payload, lo, step, *extra, syms, meta)
 
 
 def _pack_mask(x: Tensor) -> Tensor:
@@ -364,7 +430,7 @@ def _unpack_mask(mask: Tensor, numel: int) -> Tensor:
 def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
     if len(packed) == 1:
         return packed[0]
-    kind, bits, layout, dtype = packed[-1]
+    kind, bits, layout, dtype, exact_features = packed[-1]
     shape = _shape_of(packed[-2], layout)
     payload, lo, step = packed[:3]
     numel = math.prod(shape)
@@ -373,7 +439,10 @@ def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
         keep = _unpack_mask(packed[3], numel)
         tiny = torch.finfo(dtype).tiny
         values = torch.where(keep, values.clamp_min(tiny), torch.zeros_like(values))
-    return values.to(dtype).view(shape)
+    values = values.to(dtype).view(shape)
+    if exact_features:  # the exact features and their index
+        values = values.index_copy(-1, packed[4], packed[3])
+    return values
 
 
 # ---------------------------------------------------------------------------------- the graphs

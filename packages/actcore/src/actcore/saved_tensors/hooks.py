@@ -275,6 +275,7 @@ class SavedTensorHooks:
             exact=self.exact_ops,
             marks=getattr(self._local, "marks", None) if self.tailored else None,
         )
+        mode.recompute_attention = self.policy.compresses
         mode.__enter__()
         self._local.mode = mode
         return self

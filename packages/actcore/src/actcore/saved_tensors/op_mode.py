@@ -206,6 +206,7 @@ class OpMode(ExactOps):
         self.router = router
         self.suspended = suspended
         self.exact = exact
+        self.recompute_attention = False  # under Dynamo: sdpa in a checkpoint (see below)
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
@@ -213,7 +214,10 @@ class OpMode(ExactOps):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             # Dynamo traces this mode: compiled graphs get their treatment from the graphs
-            # inlined into them (actcore.saved_tensors.compiled), not from per-call state
+            # inlined into them (actcore.saved_tensors.compiled), not from per-call state;
+            # attention is recomputed in backward from its saved (packed) q, k, v
+            if self.recompute_attention and func is F.scaled_dot_product_attention:
+                return torch.utils.checkpoint.checkpoint(func, *args, use_reentrant=False, **kwargs)
             return func(*args, **kwargs)
         if self.suspended is not None and self.suspended():
             return func(*args, **kwargs)
