@@ -274,3 +274,31 @@ def test_rounding_noise_op() -> None:
     assert ((a >= 0) & (a < 1)).all() and not torch.equal(a, b)
     # 768 uniforms: the mean within 4 standard deviations (1/sqrt(12 * 768)) of 1/2
     assert abs(a.mean().item() - 0.5) < 4 / (12 * 768) ** 0.5
+
+
+def test_eager_saves_go_to_their_own_thread_hooks() -> None:
+    """Two threads inside their own blocks at once (L0 and L1.2): each eager save is packed
+    by its own thread's hooks (the pushed graphs are shared, their owners per thread)."""
+    import threading
+
+    barrier = threading.Barrier(2)
+    w = torch.randn(512, 512, requires_grad=True)
+    x = torch.randn(64, 512)
+    grads: dict[str, torch.Tensor] = {}
+
+    def run(level: str) -> None:
+        with actcore.compress_saved_tensors(level, min_numel=256):
+            barrier.wait()  # both blocks are active now
+            h = torch.tanh(x @ w)  # saves x and tanh's output
+            barrier.wait()
+        (g,) = torch.autograd.grad(h.sum(), w)
+        grads[level] = g
+
+    threads = [threading.Thread(target=run, args=(lv,)) for lv in ("L0", "L1.2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (exact,) = torch.autograd.grad(torch.tanh(x @ w).sum(), w)
+    assert torch.equal(grads["L0"], exact)
+    assert not torch.equal(grads["L1.2"], exact)

@@ -16,9 +16,13 @@ producer and its consumers in the backward graph, and treat it by kind (:func:`t
 
 * kept as it is: non-float tensors, fewer than ``min_numel`` elements, a softmax's input
   (logits: backward exponentiates them against their max), reductions and normalization
-  statistics, an attention's logsumexp, q and k of an attention backward (its kernel
-  rebuilds the probabilities as ``exp(q k^T - logsumexp)``), and (with ``exact_ops``)
-  anything a comparison, division, power, log or exp in backward reads;
+  statistics, an attention's logsumexp, q and k of an attention backward that reads a
+  saved logsumexp (its kernel rebuilds the probabilities as ``exp(q k^T - logsumexp)``),
+  and (with ``exact_ops``) anything a comparison, division, power, log or exp in backward
+  reads;
+* q and k of an attention that backward recomputes (``F.scaled_dot_product_attention``
+  under the hooks, see :class:`~actcore.saved_tensors.op_mode.OpMode`): at least
+  ``nonlinear_bits``, their features of largest magnitude exact;
 * a ReLU output: its 1-bit nonzero mask plus its values at the level's bits (the mask makes
   the ReLU's backward exact);
 * read only by matrix products and convolution backward (and as an attention's v or
@@ -30,7 +34,8 @@ producer and its consumers in the backward graph, and treat it by kind (:func:`t
 The quantization is stochastic rounding over groups of ``group_size`` elements, its noise
 the native kernels' counter hash under a seed drawn when the graph runs (the
 ``actcore::rounding_noise`` operator: fresh every call, no seed in the graph, no
-recompilation per step, torch's generators untouched); codes are stored in 1-, 2-, 4- or 8-bit slots (3 bits in 4).
+recompilation per step, torch's generators untouched); codes are stored in 1-, 2-, 4- or
+8-bit slots (3 bits in 4).
 Forward outputs are those of the compiled plain graph: only what is saved changes.
 """
 
@@ -39,6 +44,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +99,14 @@ class SavedHooksGraph(torch.fx.GraphModule):
 
 
 # ------------------------------------------------------------------------------ the eager half
-_ACTIVE: list[Any] = []  # the SavedTensorHooks whose graphs are pushed, innermost last
+_LOCAL = threading.local()  # .owners: the SavedTensorHooks pushed on this thread, innermost last
+
+
+def _owners() -> list[Any]:
+    owners = getattr(_LOCAL, "owners", None)
+    if owners is None:
+        owners = _LOCAL.owners = []
+    return owners
 
 
 @dataclass
@@ -104,7 +117,8 @@ class _Eager:
     handle: Any
 
 
-_FILTERING: list[str] = []  # the filtering modes the pushes replaced, innermost last
+_FILTERING = {"pushed": 0, "saved": "donated"}  # across threads: pushes active, mode replaced
+_FILTERING_LOCK = threading.Lock()
 
 
 def push_owner(hooks: Any) -> None:
@@ -114,18 +128,25 @@ def push_owner(hooks: Any) -> None:
     crosses a graph break (an input of the next graph) would be kept whole."""
     import torch._functorch.config as functorch_config
 
-    _ACTIVE.append(hooks)
-    _FILTERING.append(functorch_config.saved_tensors_hooks_filtering_mode)
-    functorch_config.saved_tensors_hooks_filtering_mode = "no_static"
+    _owners().append(hooks)
+    with _FILTERING_LOCK:
+        if not _FILTERING["pushed"]:
+            _FILTERING["saved"] = functorch_config.saved_tensors_hooks_filtering_mode
+            functorch_config.saved_tensors_hooks_filtering_mode = "no_static"
+        _FILTERING["pushed"] += 1
 
 
 def pop_owner(hooks: Any) -> None:
     import torch._functorch.config as functorch_config
 
-    for i in range(len(_ACTIVE) - 1, -1, -1):
-        if _ACTIVE[i] is hooks:
-            del _ACTIVE[i]
-            functorch_config.saved_tensors_hooks_filtering_mode = _FILTERING.pop()
+    owners = _owners()
+    for i in range(len(owners) - 1, -1, -1):
+        if owners[i] is hooks:
+            del owners[i]
+            with _FILTERING_LOCK:
+                _FILTERING["pushed"] -= 1
+                if not _FILTERING["pushed"]:
+                    functorch_config.saved_tensors_hooks_filtering_mode = _FILTERING["saved"]
             return
 
 
@@ -461,7 +482,7 @@ def graph_hooks(policy: GraphPolicy) -> tuple[SavedHooksGraph, SavedHooksGraph]:
     def actcore_pack(x: Tensor) -> Any:
         context = _CONTEXT() if _CONTEXT is not None else None
         if context is None:  # an eager save: the active hooks' own pack
-            owner = _ACTIVE[-1]
+            owner = _owners()[-1]
             return _Eager(owner, owner.pack(x))
         return _pack_graph(x, policy, context)
 
