@@ -302,3 +302,22 @@ def test_eager_saves_go_to_their_own_thread_hooks() -> None:
     (exact,) = torch.autograd.grad(torch.tanh(x @ w).sum(), w)
     assert torch.equal(grads["L0"], exact)
     assert not torch.equal(grads["L1.2"], exact)
+
+
+def test_attention_mask_with_minus_infinity_stays_exact() -> None:
+    """A float attention mask made in the graph (-inf above the diagonal, as Hugging Face's
+    sdpa path passes it) is kept exact: quantized, its -inf made every gradient NaN."""
+    torch.manual_seed(0)
+    proj = nn.Linear(32, 96)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        q, k, v = proj(x).view(2, 64, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        mask = torch.full((64, 64), float("-inf")).triu(1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.square().sum()
+
+    x = torch.randn(2, 64, 32)
+    with actcore.compress_saved_tensors("L1.2", min_numel=256):
+        loss = torch.compile(f, fullgraph=True)(x)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in proj.parameters())

@@ -239,11 +239,24 @@ def _softmax_input(node: Any) -> bool:
     return False
 
 
-def _argument_name(user: Any, pos: int) -> str | None:
+def _argument_name(user: Any, pos: int, node: Any = None) -> str | None:
+    """The schema name of ``user``'s argument at ``pos``, or of the keyword argument that
+    is ``node`` (``pos == -1``)."""
+    if pos < 0:
+        return next((k for k, v in user.kwargs.items() if v is node), None)
     schema = getattr(user.target, "_schema", None)
     if schema is None or not 0 <= pos < len(schema.arguments):
         return None
     return schema.arguments[pos].name
+
+
+def _linear_use(op: Any, user: Any, pos: int) -> bool:
+    """Whether ``user`` reads its argument ``pos`` linearly though its op can be nonlinear:
+    a numerator (``x / d``), or a power 1 or 2 (``x ** 2``'s backward reads ``x ** 1``:
+    an RMS norm's backward)."""
+    if op is torch.ops.aten.div and pos == 0:
+        return True
+    return op is torch.ops.aten.pow and pos == 0 and len(user.args) > 1 and user.args[1] in (1, 2)
 
 
 def _recomputed_logsumexp(user: Any) -> bool:
@@ -257,10 +270,10 @@ def _recomputed_logsumexp(user: Any) -> bool:
     return isinstance(lse, torch.fx.Node) and lse.op != "placeholder"
 
 
-def _consumers(bw_graph: Any, name: str) -> list[tuple[Any, Any, int]]:
-    """``(op, node, argument position)`` of every non-view use of the backward graph's
-    input ``name``, through views."""
-    found: list[tuple[Any, Any, int]] = []
+def _consumers(bw_graph: Any, name: str) -> list[tuple[Any, Any, int, Any]]:
+    """``(op, user, argument position or -1 for a keyword, the node it reads)`` of every
+    non-view use of the backward graph's input ``name``, through views."""
+    found: list[tuple[Any, Any, int, Any]] = []
     todo = [n for n in bw_graph.find_nodes(op="placeholder") if n.name == name]
     seen: set[Any] = set()
     while todo:
@@ -274,7 +287,7 @@ def _consumers(bw_graph: Any, name: str) -> list[tuple[Any, Any, int]]:
                 todo.append(user)
                 continue
             pos = next((i for i, a in enumerate(user.args) if a is node), -1)
-            found.append((op, user, pos))
+            found.append((op, user, pos, node))
     return found
 
 
@@ -313,19 +326,28 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
     relu = producer in _RELUS
     linear = True
     query_or_key = False
-    for op, user, pos in consumers:
+    for op, user, pos, read in consumers:
         if op in _ATTENTION_BACKWARDS or op in _ATTENTION_FORWARDS:
-            if _argument_name(user, pos) in _ATTENTION_LINEAR:
+            name = _argument_name(user, pos, read)
+            if name in _ATTENTION_LINEAR:
                 continue
+            if name not in ("query", "key"):  # a mask or bias (-inf where masked), ...
+                return Treatment("keep", why=f"an attention's {name}")
             if op in _ATTENTION_BACKWARDS and not _recomputed_logsumexp(user):
                 # q and k: the kernel rebuilds the probabilities as exp(q k^T - logsumexp),
                 # against a logsumexp of the exact q and k
                 return Treatment("keep", why="q or k of an attention backward")
             query_or_key = True
             continue
-        if relu and op in _COMPARISONS and not isinstance(user.args[1 - pos], torch.fx.Node):
+        if (
+            relu
+            and op in _COMPARISONS
+            and pos in (0, 1)
+            and len(user.args) == 2
+            and not isinstance(user.args[1 - pos], torch.fx.Node)
+        ):
             continue  # the ReLU's own mask test: answered by the kept mask
-        if op in _MATMULS:
+        if op in _MATMULS or _linear_use(op, user, pos):
             continue
         if policy.exact_ops and op in _EXACT_CONSUMERS:
             return Treatment("keep", why=f"read by {op} in backward")
