@@ -224,19 +224,7 @@ def _producer(node: Any) -> tuple[Any, int | None]:
 def _softmax_input(node: Any) -> bool:
     """Whether the forward takes a max or logsumexp of ``node`` (through views): a softmax's
     input, which backward exponentiates against that statistic."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        for user in n.users:
-            op = _packet(user.target) if user.op == "call_function" else None
-            if op in _SOFTMAX_STATISTICS:
-                return True
-            if op in _VIEWS:
-                todo.append(user)
-    return False
+    return any(op in _SOFTMAX_STATISTICS for op, *_ in _uses([node]))
 
 
 def _argument_name(user: Any, pos: int, node: Any = None) -> str | None:
@@ -266,15 +254,16 @@ def _recomputed_logsumexp(user: Any) -> bool:
     names = [a.name for a in schema.arguments] if schema is not None else []
     if "logsumexp" not in names:
         return False
-    lse = user.args[names.index("logsumexp")]
+    index = names.index("logsumexp")
+    lse = user.args[index] if index < len(user.args) else user.kwargs.get("logsumexp")
     return isinstance(lse, torch.fx.Node) and lse.op != "placeholder"
 
 
-def _consumers(bw_graph: Any, name: str) -> list[tuple[Any, Any, int, Any]]:
+def _uses(starts: list[Any]) -> list[tuple[Any, Any, int, Any]]:
     """``(op, user, argument position or -1 for a keyword, the node it reads)`` of every
-    non-view use of the backward graph's input ``name``, through views."""
+    non-view use of the nodes ``starts``, through views."""
     found: list[tuple[Any, Any, int, Any]] = []
-    todo = [n for n in bw_graph.find_nodes(op="placeholder") if n.name == name]
+    todo = list(starts)
     seen: set[Any] = set()
     while todo:
         node = todo.pop()
@@ -289,6 +278,11 @@ def _consumers(bw_graph: Any, name: str) -> list[tuple[Any, Any, int, Any]]:
             pos = next((i for i, a in enumerate(user.args) if a is node), -1)
             found.append((op, user, pos, node))
     return found
+
+
+def _consumers(bw_graph: Any, name: str) -> list[tuple[Any, Any, int, Any]]:
+    """:func:`_uses` of the backward graph's input ``name``."""
+    return _uses([n for n in bw_graph.find_nodes(op="placeholder") if n.name == name])
 
 
 @dataclass(frozen=True)
