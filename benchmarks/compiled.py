@@ -85,19 +85,9 @@ def build(name: str, device: torch.device) -> tuple[nn.Module, Callable[[nn.Modu
         idx = torch.randint(0, 256, (8, 256), device=device)
         return model.to(device), lambda m: m(idx, idx)
     if name == "llama":
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from llama_memory import build as build_llama  # the Llama 4x512 of BENCHMARKS.md
 
-        cfg = LlamaConfig(
-            vocab_size=1000,
-            hidden_size=512,
-            intermediate_size=1376,
-            num_hidden_layers=4,
-            num_attention_heads=8,
-            num_key_value_heads=8,
-            max_position_embeddings=4096,
-            attn_implementation="sdpa",
-        )
-        model = LlamaForCausalLM(cfg)
+        model = build_llama("sdpa")
         ids = torch.randint(0, 1000, (1, 1024), device=device)
         return model.to(device), lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss
     if name == "resnet50":
