@@ -321,3 +321,30 @@ def test_attention_mask_with_minus_infinity_stays_exact() -> None:
         loss = torch.compile(f, fullgraph=True)(x)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in proj.parameters())
+
+
+def test_enclosing_hooks_are_warned_of_what_compiled_graphs_keep() -> None:
+    """A user's saved-tensor hooks around the block receive the packings of eager saves
+    (their gradients correct); what a compiled graph saves stays inside it, out of their
+    reach: a warning says so, once per block."""
+    import warnings
+
+    seen: list[torch.dtype] = []
+    user = torch.autograd.graph.saved_tensors_hooks(
+        lambda t: seen.append(t.dtype) or t, lambda t: t
+    )
+    w = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(64, 256)
+    fn = torch.compile(lambda a, b: torch.tanh(a @ b), fullgraph=True)
+    hooks = actcore.compress_saved_tensors("L2", min_numel=256)
+    with user, pytest.warns(UserWarning, match="compiled by torch.compile"), hooks:
+        h = fn(x, w)
+        eager = torch.tanh(x @ w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with user, hooks:
+            fn(x, w)  # the graph is cached: no second warning
+    assert torch.uint8 in seen  # the eager tanh's packed output went on to the user's hooks
+    (g,) = torch.autograd.grad((h + eager).sum(), w)
+    (exact,) = torch.autograd.grad(2 * torch.tanh(x @ w).sum(), w)
+    assert torch.nn.functional.cosine_similarity(g.flatten(), exact.flatten(), 0) > 0.95

@@ -197,7 +197,8 @@ def test_keys_name_modules_not_forward_order() -> None:
     model = TwoBranch()
     c = Controller(model, "L1", min_numel=1)
     seen: dict[str, torch.Size] = {}
-    pack, next_key = c.saved_tensor_hooks.pack, c.saved_tensor_hooks._next_key
+    keys = c.saved_tensor_hooks._keys
+    pack, next_key = c.saved_tensor_hooks.pack, keys.next_key
     last: list[str] = []
 
     def record_key() -> str:
@@ -211,7 +212,7 @@ def test_keys_name_modules_not_forward_order() -> None:
             seen[last[-1]] = t.shape
         return h
 
-    c.saved_tensor_hooks._next_key = record_key  # type: ignore[method-assign]
+    keys.next_key = record_key  # type: ignore[method-assign]
     c.saved_tensor_hooks.pack = record_pack  # type: ignore[method-assign]
     x, z = torch.randn(8, 16, requires_grad=True), torch.randn(8, 24, requires_grad=True)
     with c:

@@ -13,7 +13,7 @@ not kept (the next layer keeps its own copy of it). The cost is one attention fo
 in backward, as with checkpointing the attention alone.
 
 Both routes use it: the layer route stashes q, k, v at its layer's level; the saved-tensor
-hooks route (``layer=None``, through :class:`actcore.saved_tensors.hooks.AttentionRouter`)
+hooks route (``layer=None``, through :class:`actcore.layers.routing.AttentionRouter`)
 saves them with ``ctx.save_for_backward``, so the active hooks pack them at the policy's
 bits. There q and k keep the same feature dims exact (:func:`shared_exact_dims`), as the
 layer route does.

@@ -53,7 +53,7 @@ from .loss import ROW_FUNCS, note_rows
 from .recompute import recompute
 from .stash import NORMALIZED, derive_from, in_checkpoint, note_output
 
-__all__ = ["FunctionalLayer", "FunctionalRouter"]
+__all__ = ["AttentionRouter", "FunctionalLayer", "FunctionalRouter"]
 
 _Handler = Callable[["FunctionalRouter", tuple, dict], Any]
 
@@ -453,3 +453,35 @@ class FunctionalRouter:
             return func in _TABLE
         except TypeError:
             return False
+
+
+class AttentionRouter:
+    """The saved-tensor hooks route's router (for :class:`actcore.saved_tensors.op_mode.OpMode`): sdpa and
+    ``F.multi_head_attention_forward`` calls run through
+    :class:`actcore.layers.attention.AttentionFunction`, which keeps q, k, v (packed by the hooks)
+    and reruns the call in backward. A fused kernel's own backward would recompute the
+    probabilities as ``exp(q k^T * scale - logsumexp)`` from rounded q and k and an exact
+    ``logsumexp``: no longer normalised, and with an outlier feature its gradient
+    overflows. Where ``hooks``' policy keeps everything as it is (L0), calls run as they are."""
+
+    def __init__(self, hooks: Any) -> None:
+        self.hooks = hooks  # an actcore.saved_tensors.hooks.SavedTensorHooks
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if not self.hooks.policy.compresses or torch.compiler.is_compiling():
+            return NotImplemented
+        if in_checkpoint():
+            # (checkpoint keeps nothing in its region and reruns it plainly in backward)
+            return NotImplemented
+        if func is F.scaled_dot_product_attention:
+            from .attention import scaled_dot_product_attention
+
+            return scaled_dot_product_attention(args, kwargs, None)
+        if func is F.multi_head_attention_forward:
+            from .multihead import multi_head_attention
+
+            return multi_head_attention(None, args, kwargs)
+        return NotImplemented
+
+    def after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Nothing to follow after a call (the router protocol's second half)."""

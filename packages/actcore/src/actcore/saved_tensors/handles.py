@@ -12,6 +12,7 @@ a tensor is packed in (:func:`canonical`).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from ..compressors import Compressor
 
 __all__ = [
     "INPLACE_MSG",
+    "Enclosing",
     "Handle",
     "Stored",
     "canonical",
@@ -38,23 +40,66 @@ INPLACE_MSG = (
 )
 
 
+class Enclosing:
+    """Saved-tensor hooks that were active around actcore's own when these were pushed (a
+    user's, ``save_on_cpu``, a profiler's): every tensor actcore keeps goes on through them.
+
+    Each tensor is handed to their pack once, however many saves share it, and is held
+    here until :meth:`release` (the end of the forward that actcore's hooks cover): until
+    then a later save can still share a packing, as without the enclosing hooks.
+    """
+
+    __slots__ = ("_pack", "_seen", "unpack")
+
+    def __init__(self, pack: Callable[[Tensor], Any], unpack: Callable[[Any], Tensor]) -> None:
+        self._pack = pack
+        self.unpack = unpack
+        self._seen: dict[int, tuple[Tensor, Any]] = {}
+
+    def pack(self, t: Tensor) -> Any:
+        hit = self._seen.get(id(t))
+        if hit is None:
+            hit = self._seen[id(t)] = (t, self._pack(t))
+        return hit[1]
+
+    def release(self) -> None:
+        """Drop actcore's own references to what was handed on."""
+        self._seen.clear()
+
+
 class Stored:
     """Compressed data of one storage region, shared by every handle that saved it."""
 
-    __slots__ = ("__weakref__", "compressor", "mask", "meta", "tensors")
+    __slots__ = ("__weakref__", "compressor", "enclosed", "mask", "meta", "tensors")
 
     def __init__(self, compressor: Compressor, tensors: tuple, meta: Any, mask: Tensor | None):
         self.compressor = compressor
         self.tensors = tensors
         self.meta = meta
         self.mask = mask  # packed nonzero mask of a ReLU output, else None
+        # (unpack, what the enclosing pack made of each tensor, of the mask): see enclose
+        self.enclosed: tuple[Callable[[Any], Tensor], tuple, Any] | None = None
+
+    def enclose(self, hooks: Enclosing) -> None:
+        """Hand the packed tensors (and mask) to ``hooks``' pack, once, keeping only what it
+        returns; :meth:`restore` gets them back through ``hooks``' unpack."""
+        if self.enclosed is not None:
+            return
+        mask = None if self.mask is None else hooks.pack(self.mask)
+        self.enclosed = (hooks.unpack, tuple(hooks.pack(t) for t in self.tensors), mask)
+        self.tensors, self.mask = (), None
 
     def restore(self) -> Tensor:
-        out = self.compressor.unpack(self.tensors, self.meta)
-        if self.mask is not None:  # the ReLU's zeros exactly, the rest kept positive
+        tensors, mask = self.tensors, self.mask
+        if self.enclosed is not None:
+            unpack, values, packed_mask = self.enclosed
+            tensors = tuple(unpack(v) for v in values)
+            mask = None if packed_mask is None else unpack(packed_mask)
+        out = self.compressor.unpack(tensors, self.meta)
+        if mask is not None:  # the ReLU's zeros exactly, the rest kept positive
             # (read straight from the bits: 10x faster on CPU than where() on the unpacked
             # mask, bitwise the same; Handle.restore runs this under no_grad)
-            return ops.apply_mask(out.clamp_min(torch.finfo(out.dtype).tiny), self.mask)
+            return ops.apply_mask(out.clamp_min(torch.finfo(out.dtype).tiny), mask)
         return out
 
 
@@ -70,6 +115,7 @@ class Handle:
     """What autograd holds for one saved tensor."""
 
     __slots__ = (
+        "enclosed",
         "expand",
         "inv_perm",
         "perm_shape",
@@ -89,6 +135,8 @@ class Handle:
         self.view: tuple | None = None  # (size, stride, offset) into a restored base
         self.ref: weakref.ref | None = None
         self.version = 0
+        # (unpack, what an enclosing pack made of the kept tensor): see enclose
+        self.enclosed: tuple[Callable[[Any], Tensor], Any] | None = None
 
     @classmethod
     def kept(cls, t: Tensor) -> Handle:
@@ -120,6 +168,22 @@ class Handle:
             h.ref = None
         return h
 
+    def enclose(self, hooks: Enclosing) -> None:
+        """Pass what this handle keeps on to enclosing saved-tensor ``hooks`` (a user's,
+        ``save_on_cpu``): the kept tensor, else the packing's tensors (once per
+        :class:`Stored`). The in-place check stays: the source is followed weakly."""
+        t = self.tensor
+        if t is None:
+            if self.stored is not None:
+                self.stored.enclose(hooks)
+            return
+        try:
+            self.ref = weakref.ref(t)
+        except TypeError:
+            self.ref = None
+        self.enclosed = (hooks.unpack, hooks.pack(t))
+        self.tensor = None
+
     def restore(self) -> Tensor:
         """The saved tensor, rebuilt; RuntimeError if it was changed in place since."""
         if self.tensor is not None:
@@ -129,6 +193,9 @@ class Handle:
             src = self.ref()
             if src is not None:
                 check_version(src, self.version)
+        if self.enclosed is not None:
+            unpack, value = self.enclosed
+            return unpack(value)
         assert self.stored is not None and self.perm_shape is not None
         assert self.inv_perm is not None
         with torch.no_grad():

@@ -42,6 +42,8 @@ saved tensor and recompute it in backward, so nothing there is compressed; what 
 itself keeps (the region's inputs) goes through these hooks and is compressed, and the
 recomputation starts from the restored inputs. Hooks pushed inside our block likewise take
 over (e.g. ``actcore.memory.track`` then only counts what we report via ``note_saved``).
+Another's hooks around ours (a user's, ``save_on_cpu``) are handed what we keep
+(:class:`actcore.saved_tensors.handles.Enclosing`): offloading compressed tensors works.
 
 Not detected: float tensors that happen to hold only 0 and 1 (telling would need a
 data-dependent check, i.e. a device sync per tensor); they are quantized like any other.
@@ -56,7 +58,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import memory, ops, rng
@@ -71,11 +72,13 @@ from ..compressors import (
 )
 from ..compressors.channel_scaled import scaled
 from ..layers import stash
-from ..layers.attention import scaled_dot_product_attention, shared_exact_dims
-from ..layers.multihead import multi_head_attention
+from ..layers.attention import shared_exact_dims
+from ..layers.routing import AttentionRouter
 from ..policies import as_policy
 from . import compiled
-from .handles import Handle, Stored, canonical, is_param_like, storage_ptr
+from .graph_treatment import GraphPolicy
+from .handles import Enclosing, Handle, Stored, canonical, is_param_like, storage_ptr
+from .keys import ModuleKeys
 from .op_mode import DataMarks, OpMode, created_by_attention
 from .pass_stats import PassStats, record_stats
 
@@ -83,7 +86,6 @@ __all__ = [
     "ACTIVATION_BITS",
     "FLOATS",
     "PROBABILITY_BITS",
-    "AttentionRouter",
     "SavedTensorHooks",
     "compress_saved_tensors",
 ]
@@ -105,51 +107,14 @@ _PROBABILITY_NODES = frozenset(
 _EXACT_OUTPUT_NODES = frozenset({"LogSoftmaxBackward0"})
 
 
-class AttentionRouter:
-    """This route's router (for :class:`actcore.saved_tensors.op_mode.OpMode`): sdpa and
-    ``F.multi_head_attention_forward`` calls run through
-    :class:`actcore.layers.attention.AttentionFunction`, which keeps q, k, v (packed by the hooks)
-    and reruns the call in backward. A fused kernel's own backward would recompute the
-    probabilities as ``exp(q k^T * scale - logsumexp)`` from rounded q and k and an exact
-    ``logsumexp``: no longer normalised, and with an outlier feature its gradient
-    overflows. Where ``hooks``' policy keeps everything as it is (L0), calls run as they are."""
-
-    def __init__(self, hooks: SavedTensorHooks) -> None:
-        self.hooks = hooks
-
-    def __call__(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if not self.hooks.policy.compresses or torch.compiler.is_compiling():
-            return NotImplemented
-        if stash.in_checkpoint():
-            # (checkpoint keeps nothing in its region and reruns it plainly in backward)
-            return NotImplemented
-        if func is F.scaled_dot_product_attention:
-            return scaled_dot_product_attention(args, kwargs, None)
-        if func is F.multi_head_attention_forward:
-            return multi_head_attention(None, args, kwargs)
-        return NotImplemented
-
-    def after(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        """Nothing to follow after a call (the router protocol's second half)."""
-
-
-# --------------------------------------------------------------------------------------------
-# The hooks
-# --------------------------------------------------------------------------------------------
-
-
 class SavedTensorHooks:
     """Pack/unpack hooks that compress saved tensors as a policy decides.
 
     Use it as a context manager (``with hooks: ...``); :func:`compress_saved_tensors` builds
     one. With ``model`` given, parameters/buffers are recognised by storage too (refreshed at
     every root forward) and each saved tensor gets a key that names the module that saved it
-    (``"encoder.layers.0.linear1#0:1"``: module, call of the module in this forward, index of
-    the save inside that call), so bit plans do not depend on global forward order: running
-    submodules in another order, or skipping one, leaves the other modules' keys unchanged
-    (reordering functional ops inside one module's own ``forward`` renumbers that module's).
-    Saves outside every module are keyed ``"<outside>:i"``, counted from the start of the
-    latest root forward (from the block's entry without a model).
+    (:class:`actcore.saved_tensors.keys.ModuleKeys`; without a model, ``"<outside>:i"`` from
+    the block's entry), so bit plans do not depend on global forward order.
     """
 
     def __init__(
@@ -178,12 +143,9 @@ class SavedTensorHooks:
         self._dedup: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._prune_at = 4096
         self._compressors: dict[tuple[int, bool], Compressor] = {}
-        self._module_handles: list[Any] = []
-        self._frames: list[list] = []  # [name, call, local counter]
-        self._calls: dict[str, int] = {}
-        self._global = 0
+        self._keys = ModuleKeys()
         self._local = threading.local()  # per thread: the active hooks and mode, suspensions
-        self._warned_enclosed = False
+        self._warned_compiled = False
         self.exact_ops = bool(exact_ops)
         self.tailored = bool(tailored)
         self.router = AttentionRouter(self) if router is None else router
@@ -198,18 +160,11 @@ class SavedTensorHooks:
         self.detach_model()
         self.model = model
         self.refresh_params()
-        if not self.module_keys:
-            return
-        for name, module in model.named_modules():
-            self._module_handles.append(module.register_forward_pre_hook(self._make_pre(name)))
-            self._module_handles.append(
-                module.register_forward_hook(self._make_post(name), always_call=True)
-            )
+        if self.module_keys:
+            self._keys.attach(model, self.refresh_params)
 
     def detach_model(self) -> None:
-        for h in self._module_handles:
-            h.remove()
-        self._module_handles.clear()
+        self._keys.detach()
         self.model = None
         self._param_ptrs = set()
 
@@ -219,46 +174,13 @@ class SavedTensorHooks:
             tensors: Iterable[Tensor] = (*self.model.parameters(), *self.model.buffers())
             self._param_ptrs = {p for p in map(storage_ptr, tensors) if p}
 
-    def _make_pre(self, name: str):
-        def pre(module: nn.Module, args: Any) -> None:
-            if torch.compiler.is_compiling():
-                return  # keys name eager saves; compiled graphs inline their own packing
-            if not self._frames:  # a new forward of the root (or of a part of the model)
-                self._calls.clear()
-                self._global = 0  # saves after it (e.g. the loss) count from here
-                self.refresh_params()
-            call = self._calls.get(name, 0)
-            self._calls[name] = call + 1
-            self._frames.append([name, call, 0])
-
-        return pre
-
-    def _make_post(self, name: str):
-        def post(module: nn.Module, args: Any, output: Any) -> None:
-            if torch.compiler.is_compiling():
-                return
-            for i in range(len(self._frames) - 1, -1, -1):
-                if self._frames[i][0] == name:
-                    del self._frames[i:]
-                    break
-
-        return post
-
-    def _next_key(self) -> str:
-        if self._frames:
-            frame = self._frames[-1]
-            frame[2] += 1
-            return f"{frame[0]}#{frame[1]}:{frame[2] - 1}"
-        self._global += 1
-        return f"<outside>:{self._global - 1}"
-
     # ---- context manager ---------------------------------------------------------------------
 
     def __enter__(self) -> SavedTensorHooks:
         if getattr(self._local, "hooks", None) is not None:
             raise RuntimeError("these saved-tensor hooks are already active")
-        self._warn_if_enclosed()
-        self._global = 0
+        self._local.enclosing = self._enclosing()
+        self._keys.restart_outside()
         if compiled.inlining_supported():
             # fx graphs: inlined into what torch.compile compiles, eager saves call self.pack
             compiled.push_owner(self)
@@ -283,7 +205,10 @@ class SavedTensorHooks:
     def __exit__(self, *exc: object) -> None:
         mode = getattr(self._local, "mode", None)
         hooks = getattr(self._local, "hooks", None)
-        self._local.mode = self._local.hooks = None
+        enclosing = getattr(self._local, "enclosing", None)
+        self._local.mode = self._local.hooks = self._local.enclosing = None
+        if enclosing is not None:
+            enclosing.release()
         try:
             if mode is not None:
                 mode.__exit__(*exc)
@@ -292,37 +217,46 @@ class SavedTensorHooks:
                 hooks.__exit__(*exc)
             compiled.pop_owner(self)
 
-    def graph_policy(self) -> compiled.GraphPolicy:
+    def graph_policy(self) -> GraphPolicy:
         """What the graphs inlined into compiled code apply: the policy's fixed bits (an
         adaptive policy's default bits: its per-tensor plan is keyed by eager saves)."""
         bits = getattr(self.policy, "bits", None) if self.policy.compresses else None
         if bits is None and self.policy.compresses:
             default = getattr(self.policy, "default_bits", None)
             bits = default() if default is not None else ACTIVATION_BITS
-        return compiled.GraphPolicy(
-            bits, self.min_numel, self.group_size, self.exact_ops, ACTIVATION_BITS
-        )
+        return GraphPolicy(bits, self.min_numel, self.group_size, self.exact_ops, ACTIVATION_BITS)
 
-    def _warn_if_enclosed(self) -> None:
-        """Warn once when other saved-tensor hooks (a user's, ``save_on_cpu``, a profiler's)
-        are active as these are pushed: PyTorch runs only the innermost hooks, so those see
-        nothing of what is saved inside. Checkpoint's and actcore's own are expected."""
+    def _enclosing(self) -> Enclosing | None:
+        """The saved-tensor hooks active as these are pushed when they are another's (a
+        user's, ``save_on_cpu``, a profiler's): PyTorch runs only the innermost hooks, so
+        what these keep is handed on to those (:meth:`Handle.enclose`). Checkpoint's and
+        actcore's own are not (checkpoint recomputes; actcore's tracker counts packings)."""
         top = stash.top_hooks()
-        if top is None or self._warned_enclosed:
-            return
+        if top is None:
+            return None
         pack = top[0]
         module = getattr(pack, "__module__", None) or ""
-        if stash.is_checkpoint_hook(pack) or module.split(".")[0] == "actcore":
+        if stash.is_checkpoint_hook(pack) or compiled.is_own_graph(pack):
+            return None
+        if module.split(".")[0] == "actcore":
+            return None
+        return Enclosing(pack, top[1])
+
+    def note_compiled_save(self) -> None:
+        """A compiled graph packs with these hooks (inlined): enclosing hooks cannot reach
+        what it saves, so warn, once."""
+        enclosing = getattr(self._local, "enclosing", None)
+        if enclosing is None or self._warned_compiled:
             return
-        self._warned_enclosed = True
-        name = getattr(pack, "__qualname__", type(pack).__name__)
+        self._warned_compiled = True
+        pack = enclosing.pack
+        name = f"{getattr(pack, '__module__', '')}.{getattr(pack, '__qualname__', pack)}"
         warnings.warn(
-            f"actcore: saved-tensor hooks ({module}.{name}) are active around a forward that "
-            "actcore compresses; PyTorch runs only the innermost hooks, so they see nothing "
-            "of what is saved inside (save_on_cpu and hook-based profilers stop applying "
-            "there). Offload with actcore's own swap (level L4) instead.",
+            f"actcore: the saved-tensor hooks ({name}) around a compressed forward receive "
+            "actcore's packings of eager saves only; the packings that graphs compiled by "
+            "torch.compile save stay inside those graphs, out of their reach.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=2,
         )
 
     @property
@@ -401,7 +335,15 @@ class SavedTensorHooks:
         self._local.marks = marks
 
     def pack(self, t: Tensor) -> Handle:
-        """The pack hook."""
+        """The pack hook: what :meth:`compress` keeps, handed on to enclosing hooks."""
+        h = self.compress(t)
+        enclosing = getattr(self._local, "enclosing", None)
+        if enclosing is not None and isinstance(h, Handle):
+            h.enclose(enclosing)
+        return h
+
+    def compress(self, t: Tensor) -> Handle:
+        """A handle on ``t``: kept as it is or packed, by policy and kind."""
         if not isinstance(t, Tensor):
             return t
         if t.layout != torch.strided or t.is_nested:  # sparse, nested: kept as they are
@@ -415,7 +357,7 @@ class SavedTensorHooks:
         small = t.numel() < self.min_numel
         if small or not (t.dtype in FLOATS or t.dtype == torch.bool) or t.device.type == "meta":
             return self._passthrough(t, note=True)
-        key = self._next_key()
+        key = self._keys.next_key()
         bits = None
         if t.dtype != torch.bool:
             bits = self.policy.bits_for(key)
