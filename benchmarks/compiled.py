@@ -179,7 +179,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="gpt,llama,resnet50")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--level", default="L1.2", help="the hooks route's level for ACT variants")
+    p.add_argument("--level", default="G1.2", help="the hooks route's level for ACT variants")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the rows (and machine, torch, date) here")

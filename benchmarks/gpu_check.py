@@ -496,7 +496,7 @@ def part_llama(dry: bool, out: Path) -> dict[str, Any]:
     ids = torch.randint(0, 1000, (2, seq), device=device)
     rows = []
     ref_grads = None
-    for variant in ("sdpa", "ckpt", "act", "ckpt+act", "hooks:L2"):
+    for variant in ("sdpa", "ckpt", "act", "ckpt+act", "hooks:G2"):
         model = _llama(variant, device, dry)
         level = variant.split(":")[1] if variant.startswith("hooks:") else None
 

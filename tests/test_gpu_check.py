@@ -55,7 +55,7 @@ def test_dry_run_results_have_the_committed_format(dry_run) -> None:
     assert all(r["step_time_s"] > 0 and r["step_time_interval_s"] > 0 for r in resnet)
     assert resnet[0]["step_vs_fp"] == 1.0 and resnet[0]["interval_step_vs_fp"] == 1.0
     llama = parts["llama"]["rows"]
-    assert [r["variant"] for r in llama] == ["sdpa", "ckpt", "act", "ckpt+act", "hooks:L2"]
+    assert [r["variant"] for r in llama] == ["sdpa", "ckpt", "act", "ckpt+act", "hooks:G2"]
     assert llama[0]["grad_cosine"] == pytest.approx(1.0)
     assert llama[1]["grad_cosine"] > 0.999  # checkpointing recomputes: the same gradients
     assert all(r["held_bytes"] > 0 for r in llama)

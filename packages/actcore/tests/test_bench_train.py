@@ -41,21 +41,21 @@ def mnist() -> data.Mnist1D:
 
 
 def test_levels_fp_first_each_once_with_routes():
-    got = train.parse_levels("L3,hooks:L1.2,fp,layers:L3,default,hooks:L2")
+    got = train.parse_levels("L3,hooks:G1.2,fp,layers:L3,default,hooks:G2")
     assert [(v.label, v.route, v.level) for v in got] == [
         ("fp", "none", None),
         ("L3", "layers", "L3"),
-        ("hooks:L1.2", "hooks", "L1.2"),
+        ("hooks:G1.2", "hooks", "G1.2"),
         ("default", "layers", None),
-        ("hooks:L2", "hooks", "L2"),
+        ("hooks:G2", "hooks", "G2"),
     ]
 
 
 @pytest.mark.parametrize(
     ("levels", "words"),
     [
-        ("fp,L9", ["'L9'", "hooks:L1.2", "default", "L3"]),
-        ("hooks:L4", ["'L4'", "'hooks:L4'", "hooks:L2.2"]),
+        ("fp,L9", ["'L9'", "hooks:G1.2", "default", "L3"]),
+        ("hooks:G4", ["'G4'", "'hooks:G4'", "hooks:G2.2"]),
         ("graph:L2", ["'graph'", "hooks:LEVEL", "default"]),
         (",", ["no levels"]),
     ],
@@ -205,7 +205,7 @@ def test_mnist1d_is_the_packages_default_split_and_leaves_global_rngs_alone(mnis
 
 def test_cli_writes_rows_curves_bytes_and_a_png(tmp_path, mnist):
     out = tmp_path / "m.json"
-    levels = "fp,L3,hooks:L1.2,default"
+    levels = "fp,L3,hooks:G1.2,default"
     args = ["bench", "train", "--task", "mnist1d", "--levels", levels, "--steps", "20"]
     assert run_cli([*args, "--eval-interval", "10", "--quiet", "--json", str(out)]) == 0
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -213,8 +213,8 @@ def test_cli_writes_rows_curves_bytes_and_a_png(tmp_path, mnist):
     assert set(result) >= ENVELOPE and result["benchmark"] == "train"
     assert result["config"]["steps"] == 20 and result["config"]["task_info"]["test_samples"] == 1000
     rows = {r["level"]: r for r in result["rows"]}
-    assert list(rows) == ["fp", "L3", "hooks:L1.2", "default"]
-    assert rows["hooks:L1.2"]["route"] == "hooks" and rows["L3"]["route"] == "layers"
+    assert list(rows) == ["fp", "L3", "hooks:G1.2", "default"]
+    assert rows["hooks:G1.2"]["route"] == "hooks" and rows["L3"]["route"] == "layers"
     assert rows["default"]["label"] == f"default ({rows['default']['actcore_level']})"
     start = {r["runs"][0]["curve"][0]["val_loss"] for r in rows.values()}
     assert len(start) == 1  # same seed, same initial model at every level
@@ -225,7 +225,7 @@ def test_cli_writes_rows_curves_bytes_and_a_png(tmp_path, mnist):
         assert 0 < row["accuracy_mean"] <= 1 and row["step_time_s"] > 0
         assert row["retained_bytes"] > 0
     assert rows["fp"]["runs"][0]["profiler_minus_tracked"] == 0  # exact for plain PyTorch
-    for level in ("L3", "hooks:L1.2"):
+    for level in ("L3", "hooks:G1.2"):
         assert rows[level]["ratio"] > 4  # a CNN keeps several times fewer bytes
         assert (
             abs(rows[level]["runs"][0]["profiler_minus_tracked"])
@@ -255,9 +255,9 @@ def test_shakespeare_task_on_a_small_corpus_and_the_llama_twin():
         batch=4, eval_batches=1, device=torch.device("cpu"), arch="llama", corpus=corpus
     )
     rows: list[dict] = []
-    cfg = train.TrainConfig(levels=["fp", "hooks:L2"], steps=4, eval_interval=2, arch="llama")
+    cfg = train.TrainConfig(levels=["fp", "hooks:G2"], steps=4, eval_interval=2, arch="llama")
     train.run(cfg, rows, task=task)
-    assert [r["level"] for r in rows] == ["fp", "hooks:L2"]
+    assert [r["level"] for r in rows] == ["fp", "hooks:G2"]
     assert rows[0]["arch"] == "llama" and rows[1]["ratio"] > 1
     assert all(0 < r["val_loss_mean"] < 3 for r in rows)  # 7 characters: ln 7 = 1.95 at start
     assert train.figure(cfg, rows).axes[1].get_title().startswith("validation loss")
@@ -296,7 +296,7 @@ def test_shakespeare_quick_l3_validation_loss_within_0_05_of_fp32():
     Measured on the 2-core CPU (torch 2.14.1, 2026-11-25), L3 minus fp32 validation loss
     after 300 steps: +0.0155, +0.0184, +0.0172, +0.0152 for seeds 0-3 (fp32 2.50-2.51).
     Bound: L3 at most 0.05 above fp32 (2.7x the largest gap). For scale, 2 bits on every
-    saved tensor (``hooks:L1.2``) ends 0.25 above fp32 here. 52 s on the 2 cores at load
+    saved tensor (``hooks:G1.2``) ends 0.25 above fp32 here. 52 s on the 2 cores at load
     2.5, about 2 minutes at load 8 (one torch thread).
     """
     try:
@@ -318,7 +318,7 @@ def test_mnist1d_quick_l3_accuracy_within_2_5_points_of_fp32(mnist):
     Measured on the 2-core CPU (torch 2.14.1, 2026-11-25), L3 minus fp32 test accuracy
     after 300 steps, seeds 0-5: -0.2, -0.6, -0.3, -1.5, -0.6, -0.5 points (fp32 about
     96%). Bound: L3 at most 2.5 points below fp32 (1.7x the worst seed; the test set has
-    1,000 sequences, so a point is 10 of them). For scale, ``hooks:L1.2`` loses 7-8
+    1,000 sequences, so a point is 10 of them). For scale, ``hooks:G1.2`` loses 7-8
     points. 7-15 s.
     """
     task = Mnist1DTask(batch=128, device=torch.device("cpu"), data=mnist)

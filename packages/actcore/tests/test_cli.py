@@ -74,7 +74,7 @@ def test_bad_arguments_exit_2_with_a_clear_message(args, words, capsys):
 
 def test_hooks_route_missing_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.delattr(actcore, "Controller", raising=False)
-    assert run_cli(["bench", "memory", *TINY, "--route", "hooks", "--levels", "L3"]) == 2
+    assert run_cli(["bench", "memory", *TINY, "--route", "hooks", "--levels", "G3"]) == 2
     assert HOOKS_UNAVAILABLE in capsys.readouterr().err
 
 
@@ -223,7 +223,7 @@ def test_gpu_benchmarks_on_cpu_give_a_clear_message(command, capsys):
 @pytest.mark.skipif(not hasattr(actcore, "Controller"), reason="no hooks route in this version")
 def test_memory_through_the_hooks_route(tmp_path):
     out = tmp_path / "hooks.json"
-    assert run_cli(["bench", "memory", *TINY, "--route", "hooks", "--levels", "L3"]) == 0
+    assert run_cli(["bench", "memory", *TINY, "--route", "hooks", "--levels", "G3"]) == 0
     assert run_cli(["bench", "memory", *TINY, "--route", "hooks", "--json", str(out)]) == 0
     rows = load(out)["rows"]
     assert all(r["route"] == "hooks" for r in rows)

@@ -92,11 +92,11 @@ def _step(model: nn.Module, compiled_model: Any, level: str | None) -> list[torc
 def test_forward_is_bitwise_and_keeps_fewer_bytes(mlp_pair: tuple[Any, ...]) -> None:
     _model, _plain, cm, cp = mlp_pair
     ref = cp(X)
-    with actcore.compress_saved_tensors("L1.2", min_numel=256):
+    with actcore.compress_saved_tensors("G1.2", min_numel=256):
         out = cm(X)
     assert torch.equal(out, ref)
     _, plain_bytes = profiled_bytes(lambda: cp(X))
-    with actcore.compress_saved_tensors("L1.2", min_numel=256):
+    with actcore.compress_saved_tensors("G1.2", min_numel=256):
         _, act_bytes = profiled_bytes(lambda: cm(X))
     # ReLU output at 2 bits + its 1-bit mask, GELU input at 4, the rest at 2 (plus group
     # metadata): 9.2x measured against fp32
@@ -111,10 +111,10 @@ def test_gradients_are_unbiased(mlp_pair: tuple[Any, ...]) -> None:
     exact = _step(plain, cp, None)
     torch.manual_seed(3)
     steps = 64
-    first = _step(model, cm, "L1.2")
+    first = _step(model, cm, "G1.2")
     total = [g.clone() for g in first]
     for _ in range(steps - 1):
-        for t, g in zip(total, _step(model, cm, "L1.2"), strict=True):
+        for t, g in zip(total, _step(model, cm, "G1.2"), strict=True):
             t += g
     for one, tot, ref in zip(first, total, exact, strict=True):
         err_one = (one - ref).norm() / ref.norm()
@@ -125,11 +125,11 @@ def test_gradients_are_unbiased(mlp_pair: tuple[Any, ...]) -> None:
 
 def test_fresh_rounding_every_step_without_recompiling(mlp_pair: tuple[Any, ...]) -> None:
     model, _plain, cm, _cp = mlp_pair
-    _step(model, cm, "L1.2")  # compiled (or reused) for this level
+    _step(model, cm, "G1.2")  # compiled (or reused) for this level
     with torch.compiler.set_stance("fail_on_recompile"):
-        a = _step(model, cm, "L1.2")
-        b = _step(model, cm, "L1.2")
-        c = _step(model, cm, "L1.2")
+        a = _step(model, cm, "G1.2")
+        b = _step(model, cm, "G1.2")
+        c = _step(model, cm, "G1.2")
     assert any(not torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert any(not torch.equal(x, y) for x, y in zip(b, c, strict=True))
 
@@ -137,7 +137,7 @@ def test_fresh_rounding_every_step_without_recompiling(mlp_pair: tuple[Any, ...]
 def test_level_zero_is_the_compiled_plain_model(mlp_pair: tuple[Any, ...]) -> None:
     model, plain, cm, cp = mlp_pair
     exact = _step(plain, cp, None)
-    for got, ref in zip(_step(model, cm, "L0"), exact, strict=True):
+    for got, ref in zip(_step(model, cm, "G0"), exact, strict=True):
         assert torch.equal(got, ref)
 
 
@@ -145,7 +145,7 @@ def test_bf16_autocast_restores_dtypes(mlp_pair: tuple[Any, ...]) -> None:
     model, _plain, cm, cp = mlp_pair
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = cp(X)
-        with actcore.compress_saved_tensors("L1", min_numel=256):
+        with actcore.compress_saved_tensors("G1", min_numel=256):
             out = cm(X)
         assert torch.equal(out, ref) and out.dtype == torch.bfloat16
         loss = F.cross_entropy(out.float(), Y)
@@ -180,7 +180,7 @@ def test_transformer_block_treatments(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(4, 48, 64)
     y = torch.randint(0, 50, (4, 48))
     cb = torch.compile(block, fullgraph=True)
-    with actcore.compress_saved_tensors("L1.2", min_numel=256):
+    with actcore.compress_saved_tensors("G1.2", min_numel=256):
         loss = cb(x, y)
         eager(x, y).backward()  # the eager hooks route, for comparison
     ref = torch.compile(plain, fullgraph=True)(x, y)
@@ -227,7 +227,7 @@ def test_attention_with_an_outlier_feature() -> None:
     f(*inputs).backward()
     exact = [t.grad for t in inputs]
     inputs = [t.clone().requires_grad_() for t in (x, *weights)]
-    with actcore.compress_saved_tensors("L1", min_numel=256):
+    with actcore.compress_saved_tensors("G1", min_numel=256):
         loss = torch.compile(f, fullgraph=True)(*inputs)
     loss.backward()
     for t, ref in zip(inputs, exact, strict=True):
@@ -243,7 +243,7 @@ def test_dynamic_sequence_lengths_share_one_graph() -> None:
     def step(t: int) -> torch.Tensor:
         x = torch.randn(2, t, 64)
         y = torch.randint(0, 50, (2, t))
-        with actcore.compress_saved_tensors("L1.2", min_numel=256):
+        with actcore.compress_saved_tensors("G1.2", min_numel=256):
             loss = cb(x, y)
         loss.backward()
         return loss
@@ -260,9 +260,9 @@ def test_rounding_leaves_torch_generator_alone(mlp_pair: tuple[Any, ...]) -> Non
     step with the hooks leaves torch's generator where it found it, so dropout and other
     random ops see the stream they would see without actcore."""
     model, _, cm, _ = mlp_pair
-    _step(model, cm, "L1.2")  # compiled
+    _step(model, cm, "G1.2")  # compiled
     state = torch.get_rng_state()
-    _step(model, cm, "L1.2")
+    _step(model, cm, "G1.2")
     assert torch.equal(torch.get_rng_state(), state)
 
 
@@ -277,7 +277,7 @@ def test_rounding_noise_op() -> None:
 
 
 def test_eager_saves_go_to_their_own_thread_hooks() -> None:
-    """Two threads inside their own blocks at once (L0 and L1.2): each eager save is packed
+    """Two threads inside their own blocks at once (G0 and G1.2): each eager save is packed
     by its own thread's hooks (the pushed graphs are shared, their owners per thread)."""
     import threading
 
@@ -294,14 +294,14 @@ def test_eager_saves_go_to_their_own_thread_hooks() -> None:
         (g,) = torch.autograd.grad(h.sum(), w)
         grads[level] = g
 
-    threads = [threading.Thread(target=run, args=(lv,)) for lv in ("L0", "L1.2")]
+    threads = [threading.Thread(target=run, args=(lv,)) for lv in ("G0", "G1.2")]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     (exact,) = torch.autograd.grad(torch.tanh(x @ w).sum(), w)
-    assert torch.equal(grads["L0"], exact)
-    assert not torch.equal(grads["L1.2"], exact)
+    assert torch.equal(grads["G0"], exact)
+    assert not torch.equal(grads["G1.2"], exact)
 
 
 def test_attention_mask_with_minus_infinity_stays_exact() -> None:
@@ -317,7 +317,7 @@ def test_attention_mask_with_minus_infinity_stays_exact() -> None:
         return out.square().sum()
 
     x = torch.randn(2, 64, 32)
-    with actcore.compress_saved_tensors("L1.2", min_numel=256):
+    with actcore.compress_saved_tensors("G1.2", min_numel=256):
         loss = torch.compile(f, fullgraph=True)(x)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in proj.parameters())
@@ -336,7 +336,7 @@ def test_enclosing_hooks_are_warned_of_what_compiled_graphs_keep() -> None:
     w = torch.randn(256, 256, requires_grad=True)
     x = torch.randn(64, 256)
     fn = torch.compile(lambda a, b: torch.tanh(a @ b), fullgraph=True)
-    hooks = actcore.compress_saved_tensors("L2", min_numel=256)
+    hooks = actcore.compress_saved_tensors("G2", min_numel=256)
     with user, pytest.warns(UserWarning, match="compiled by torch.compile"), hooks:
         h = fn(x, w)
         eager = torch.tanh(x @ w)

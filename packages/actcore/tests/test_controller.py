@@ -22,19 +22,19 @@ def _mlp() -> nn.Module:
 
 def test_levels_map_to_policies() -> None:
     model = _mlp()
-    expected = {"L0": None, "L1": 4, "L1.1": 8, "L1.2": 2}
+    expected = {"G0": None, "G1": 4, "G1.1": 8, "G1.2": 2}
     for name, bits in expected.items():
         policy = Controller(model, name).policy
         assert isinstance(policy, FixedBits) and policy.bits == bits
-    for name, avg in {"L2": 4, "L2.1": 3, "L2.2": 2, "L3": 4}.items():
+    for name, avg in {"G2": 4, "G2.1": 3, "G2.2": 2, "G3": 4}.items():
         policy = Controller(model, name).policy
         assert isinstance(policy, AutoPrecision) and policy.avg_bits == avg
-        assert policy.swap == (name == "L3")
-    assert list(HOOK_LEVELS) == ["L0", "L1", "L1.1", "L1.2", "L2", "L2.1", "L2.2", "L3"]
-    with pytest.raises(ValueError, match=r"unknown level 'L4'; valid levels: L0, L1, L1\.1"):
-        Controller(model, "L4")
+        assert policy.swap == (name == "G3")
+    assert list(HOOK_LEVELS) == ["G0", "G1", "G1.1", "G1.2", "G2", "G2.1", "G2.2", "G3"]
+    with pytest.raises(ValueError, match=r"unknown level 'G4'; valid levels: G0, G1, G1\.1"):
+        Controller(model, "G4")
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['bitz'\]"):
-        Controller(model, "L1", bitz=3)
+        Controller(model, "G1", bitz=3)
     acgc = Controller(model, policy="acgc", error_bound=0.2).policy
     assert isinstance(acgc, ACGC) and acgc.error_bound == 0.2
     assert actcore.Controller is Controller
@@ -43,7 +43,7 @@ def test_levels_map_to_policies() -> None:
 def test_install_uninstall_and_context_manager() -> None:
     model = _mlp()
     x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
-    c = Controller(model, "L1.2", min_numel=1)
+    c = Controller(model, "G1.2", min_numel=1)
     with actcore.memory.track(model) as plain:
         out = model(x)
     del out
@@ -55,7 +55,7 @@ def test_install_uninstall_and_context_manager() -> None:
     assert not c.installed
     F.cross_entropy(out, y).backward()  # a graph built while installed still backpropagates
     assert packed.retained_bytes < plain.retained_bytes / 4
-    with Controller(model, "L0") as c0:
+    with Controller(model, "G0") as c0:
         assert c0.installed
     assert not c0.installed
 
@@ -71,7 +71,7 @@ def test_parameters_and_buffers_never_compressed_after_to() -> None:
             return self.lin(x) * self.scale  # mul saves the buffer for d/dx
 
     model = Scale()
-    with Controller(model, "L1.2", min_numel=1):
+    with Controller(model, "G1.2", min_numel=1):
         for dtype in (torch.float32, torch.float64):
             model.to(dtype)
             x = torch.randn(64, 64, dtype=dtype, requires_grad=True)
@@ -90,12 +90,12 @@ def test_state_dict_round_trip_resumes_same_plan() -> None:
     model = _mlp()
     x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
     backprop = cross_entropy_backprop(model, x, y)
-    c = Controller(model, "L2.1", adapt_interval=3, min_numel=1)
+    c = Controller(model, "G2.1", adapt_interval=3, min_numel=1)
     train_iterations(c, backprop, 4)  # adapts at iteration 0 and 3
     plan = c.bit_plan
     assert plan and c.iteration == 4 and c.policy.estimates == 2
     state = c.state_dict()
-    resumed = Controller(model, "L2.1", adapt_interval=3, min_numel=1)
+    resumed = Controller(model, "G2.1", adapt_interval=3, min_numel=1)
     resumed.load_state_dict(state)
     assert resumed.bit_plan == plan and resumed.iteration == 4
     assert resumed.state_dict() == state
@@ -113,7 +113,7 @@ def test_iterate_restores_gradients_and_rng() -> None:
     model = nn.Sequential(nn.Linear(32, 128), nn.Dropout(0.3), nn.GELU(), nn.Linear(128, 4))
     x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
     backprop = cross_entropy_backprop(model, x, y)
-    with Controller(model, "L2", min_numel=1) as c:
+    with Controller(model, "G2", min_numel=1) as c:
         backprop()
         grads = [p.grad.clone() for p in model.parameters()]
         rng = torch.get_rng_state()
@@ -121,7 +121,7 @@ def test_iterate_restores_gradients_and_rng() -> None:
         assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
         assert torch.equal(rng, torch.get_rng_state())
         with pytest.raises(ValueError, match="needs the backprop callable"):
-            Controller(model, "L2").iterate()
+            Controller(model, "G2").iterate()
 
 
 def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -136,7 +136,7 @@ def _fsdp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         for layer in (model[0], model[2]):
             fully_shard(layer)
         fully_shard(model)
-        c = Controller(model, "L1.1", min_numel=1)
+        c = Controller(model, "G1.1", min_numel=1)
         kinds: list[tuple[bool, bool]] = []  # (is a parameter or view of one, compressed)
         pack = c.saved_tensor_hooks.pack
 
@@ -195,7 +195,7 @@ def test_keys_name_modules_not_forward_order() -> None:
             return self.a(x).sum() + self.b(z).sum()
 
     model = TwoBranch()
-    c = Controller(model, "L1", min_numel=1)
+    c = Controller(model, "G1", min_numel=1)
     seen: dict[str, torch.Size] = {}
     keys = c.saved_tensor_hooks._keys
     pack, next_key = c.saved_tensor_hooks.pack, keys.next_key
@@ -228,7 +228,7 @@ def test_keys_name_modules_not_forward_order() -> None:
 def test_keys_outside_the_model_are_stable_across_iterations() -> None:
     model = _mlp()
     x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
-    c = Controller(model, "L2", adapt_interval=2, min_numel=1)
+    c = Controller(model, "G2", adapt_interval=2, min_numel=1)
     train_iterations(c, cross_entropy_backprop(model, x, y), 3)  # adapts at iterations 0 and 2
     outside = [k for k in c.bit_plan if k.startswith("<outside>")]
     assert outside and all(int(k.split(":")[1]) < 4 for k in outside)  # the loss's saves

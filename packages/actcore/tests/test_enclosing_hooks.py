@@ -86,7 +86,7 @@ def test_save_on_cpu_around_a_converted_model_and_the_hooks_route() -> None:
         actcore.ops.reset_seed_stream()
         user = _Boxing()
         with user.hooks() if enclosed else contextlib.nullcontext():
-            with actcore.compress_saved_tensors("L2", model=net):
+            with actcore.compress_saved_tensors("G2", model=net):
                 loss = net(x).sum()
             loss.backward()
         grads.append([p.grad for p in net.parameters()])
@@ -109,7 +109,7 @@ def test_in_place_change_under_enclosing_hooks_still_raises() -> None:
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
     a = torch.randn(64, 64, requires_grad=True)
-    with _Boxing().hooks(), actcore.compress_saved_tensors("L2"):
+    with _Boxing().hooks(), actcore.compress_saved_tensors("G2"):
         h = a * 2
         out = h * h  # saves h: packed, handed to the user's hooks
     with torch.no_grad():

@@ -122,5 +122,5 @@ def test_mode_depth_counts_nested_calls_and_unwinds_on_error() -> None:
 
 def test_controller_passes_exact_ops_to_its_hooks() -> None:
     model = torch.nn.Linear(8, 8)
-    assert Controller(model, "L1.2").saved_tensor_hooks.exact_ops is True
-    assert Controller(model, "L1.2", exact_ops=False).saved_tensor_hooks.exact_ops is False
+    assert Controller(model, "G1.2").saved_tensor_hooks.exact_ops is True
+    assert Controller(model, "G1.2", exact_ops=False).saved_tensor_hooks.exact_ops is False

@@ -86,7 +86,7 @@ def test_policy_estimate_with_nan_gradients_is_dropped(
     """The plan and sensitivities stay finite and as they were; AC-GC keeps its bound."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.Linear(128, 4))
-    c = Controller(model, "L2", policy=policy, adapt_interval=2, min_numel=1)
+    c = Controller(model, "G2", policy=policy, adapt_interval=2, min_numel=1)
     with c, caplog.at_level(logging.WARNING, logger="actcore"):
         for it in range(6):
             backprop = _clean_or_nan(model, it, poison=it in (2, 4))
@@ -208,7 +208,7 @@ def test_adaptive_bits_rejects_a_bad_state_and_changes_nothing(change, error) ->
 def test_policy_and_controller_reject_a_bad_state_and_change_nothing(policy: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 4))
-    c = Controller(model, "L2", policy=policy, adapt_interval=2, min_numel=1)
+    c = Controller(model, "G2", policy=policy, adapt_interval=2, min_numel=1)
     with c:
         backprop = _clean_or_nan(model, 0, poison=False)
         backprop()

@@ -54,7 +54,7 @@ def test_swap_keeps_forward_bitwise_and_state_dict(act: nn.Module, route: str) -
         actcore.convert(model, level="L0", fewbit_bits=2)
         assert model.act_report.converted["1"] == type(act).__name__
     else:
-        ctl = actcore.Controller(model, level="L0", fewbit_bits=2)
+        ctl = actcore.Controller(model, level="G0", fewbit_bits=2)
         assert ctl.fewbit_swapped == {"1": type(act).__name__}
     swapped = model[1]
     assert isinstance(swapped, type(act)) and type(swapped).__module__ == fewbit.GELU.__module__
@@ -102,7 +102,7 @@ def test_convert_without_fewbit_bits_leaves_smooth_activations_with_reason() -> 
 
 def test_controller_without_fewbit_bits_leaves_model_alone() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU())
-    ctl = actcore.Controller(model, level="L1")
+    ctl = actcore.Controller(model, level="G1")
     assert type(model[1]) is nn.GELU and ctl.fewbit_swapped == {}
 
 
@@ -119,7 +119,7 @@ def test_bad_fewbit_bits_raise_naming_value(bad: int) -> None:
     with pytest.raises(ValueError, match=rf"1\.\.4, got {bad}"):
         actcore.convert(model, level="L0", fewbit_bits=bad)
     with pytest.raises(ValueError, match=rf"1\.\.4, got {bad}"):
-        actcore.Controller(model, level="L1", fewbit_bits=bad)
+        actcore.Controller(model, level="G1", fewbit_bits=bad)
     assert type(model[0]) is nn.GELU  # nothing half-done
     with pytest.raises(TypeError, match=r"2\.5"):
         actcore.convert(model, level="L0", fewbit_bits=2.5)  # type: ignore[arg-type]
@@ -174,7 +174,7 @@ def test_bert_mlp_bytes_both_routes() -> None:
         "fp32": _retained(_bert_mlp(), x),
         "convert L0 + 3-bit GELU": _retained(actcore.convert(_bert_mlp(), "L0", fewbit_bits=3), x),
         "Controller L0 + 3-bit GELU": _retained(
-            model, x, actcore.Controller(model, "L0", fewbit_bits=3)
+            model, x, actcore.Controller(model, "G0", fewbit_bits=3)
         ),
     }
     expected = n_in * 4 + gelu_3bit + n_mid * 4
@@ -219,7 +219,7 @@ def test_mlp_bytes_with_quantized_linears_both_routes(tokens: int) -> None:
         )
         model = _bert_mlp()
         got[f"Controller L1 fewbit={fb}"] = _retained(
-            model, x, actcore.Controller(model, "L1", fewbit_bits=fb)
+            model, x, actcore.Controller(model, "G1", fewbit_bits=fb)
         )
     assert got == {
         # convert keeps a plain GELU's input at 4 bits, its largest channels exact, and the
@@ -236,7 +236,7 @@ def test_mlp_bytes_with_quantized_linears_both_routes(tokens: int) -> None:
 
 def test_hooks_keep_the_fewbit_index_as_is_and_not_the_activation_input() -> None:
     model = _bert_mlp()
-    ctl = actcore.Controller(model, "L1", fewbit_bits=3)
+    ctl = actcore.Controller(model, "G1", fewbit_bits=3)
     seen: list[torch.Tensor] = []
     pack = ctl.saved_tensor_hooks.pack
 
@@ -388,7 +388,7 @@ def test_q_layers_inside_compressing_hooks_keep_their_own_packing():
     with memory.track(model) as alone:
         out = model(x)
     del out
-    with memory.track(model) as inside, actcore.compress_saved_tensors("L1.2"):
+    with memory.track(model) as inside, actcore.compress_saved_tensors("G1.2"):
         out = model(x)
     assert inside.retained_bytes == alone.retained_bytes  # nothing packed a second time
     model.zero_grad()

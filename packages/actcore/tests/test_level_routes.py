@@ -1,6 +1,5 @@
-"""Each route resolves its level names in its own table only: ``convert``'s (ActNN's,
-``actcore.config``) and ``Controller``'s (GACT's, ``actcore.policies``); the same name may
-mean different things on the two."""
+"""Each route resolves its level names in its own table only: ``convert``'s (ActNN's, ``L0``
+.. ``L5``) and ``Controller``'s (GACT's, ``G0`` .. ``G3``); no name is in both."""
 
 from __future__ import annotations
 
@@ -20,16 +19,24 @@ from actcore.policies import HOOK_LEVELS, hook_level
 from actcore.policy_scheme import PolicyScheme
 
 
-def test_a_level_name_means_what_its_own_route_says() -> None:
-    # L3 on the layer route: 2-bit adaptive; on the hooks route: 4-bit auto with CPU swap
-    layers, hooks = level_spec("L3"), hook_level("L3")
+def test_each_level_name_belongs_to_one_route() -> None:
+    # ActNN's L3 on the layer route: 2-bit adaptive; GACT's L3, G3 on the hooks route: 4-bit
+    # auto precision with CPU swap
+    assert not set(LEVELS) & set(HOOK_LEVELS)
+    layers, hooks = level_spec("L3"), hook_level("G3")
     assert (layers.conv_bits, layers.adaptive, layers.swap) == (2, True, False)
     assert (hooks.bits, hooks.auto, hooks.swap) == (4, True, True)
-    # a name one route lacks is unknown there, whatever the other route's table holds
+    # the other route's name is refused, saying whose it is
     with pytest.raises(ValueError, match=re.escape("valid levels: " + ", ".join(LEVELS))):
         level_spec("L1.2")
+    with pytest.raises(ValueError, match=r"'G2' is a level of the saved-tensor hooks route"):
+        actcore.convert(nn.Linear(2, 2), "G2")
+    with pytest.raises(ValueError, match=r"'L2' is a level of the layer-swap route"):
+        actcore.Controller(nn.Linear(2, 2), "L2")
+    with pytest.raises(ValueError, match=r"'L3' is a level of the layer-swap route"):
+        actcore.compress_saved_tensors("L3")
     with pytest.raises(ValueError, match=re.escape("valid levels: " + ", ".join(HOOK_LEVELS))):
-        hook_level("L4")
+        hook_level("G4")
     assert route_levels("layers") == (LEVELS, level_spec)
     assert route_levels("hooks") == (HOOK_LEVELS, hook_level)
     assert check_levels(["fp", "L4"], "layers") == ["fp", "L4"]
@@ -93,7 +100,7 @@ def test_the_level_is_resolved_once_not_per_pack(route: str, monkeypatch) -> Non
         actcore.convert(model, "L3")
         assert all(m.act_spec is LEVELS["L3"] for m in model.modules() if hasattr(m, "act_spec"))
     else:
-        controller = actcore.Controller(model, level="L2")
+        controller = actcore.Controller(model, level="G2")
         controller.install_hook()
     monkeypatch.setattr(actcore.config, "level", actcore.config.level)  # (restored after)
     lookups: list[object] = []
@@ -105,7 +112,6 @@ def test_the_level_is_resolved_once_not_per_pack(route: str, monkeypatch) -> Non
         return real(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(resolver, "lookup_level", counted)
-    monkeypatch.setattr(policies.levels, "lookup_level", counted)
     try:
         for _ in range(3):
             model(x).sum().backward()

@@ -27,7 +27,7 @@ def test_the_pre_release_module_aliases_are_gone(old) -> None:
 
 def test_the_pre_release_attribute_aliases_are_gone() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
-    controller = actcore.Controller(model, "L1")
+    controller = actcore.Controller(model, "G1")
     assert not hasattr(controller, "engine")
     actcore.convert(model, "L2")
     scope = model.act_scope

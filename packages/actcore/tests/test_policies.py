@@ -43,14 +43,14 @@ def _rms_relative_error(c: Controller, x: torch.Tensor, y: torch.Tensor, draws: 
 
 def test_level_table_and_conversions() -> None:
     assert {k: (v.bits, v.auto, v.swap) for k, v in HOOK_LEVELS.items()} == {
-        "L0": (None, False, False),
-        "L1": (4, False, False),
-        "L1.1": (8, False, False),
-        "L1.2": (2, False, False),
-        "L2": (4, True, False),
-        "L2.1": (3, True, False),
-        "L2.2": (2, True, False),
-        "L3": (4, True, True),
+        "G0": (None, False, False),
+        "G1": (4, False, False),
+        "G1.1": (8, False, False),
+        "G1.2": (2, False, False),
+        "G2": (4, True, False),
+        "G2.1": (3, True, False),
+        "G2.2": (2, True, False),
+        "G3": (4, True, True),
     }
     assert all(v.summary for v in HOOK_LEVELS.values())
     assert isinstance(as_policy(3), FixedBits) and as_policy(3).bits == 3
@@ -91,7 +91,7 @@ def test_greedy_allocation_is_optimal_and_within_budget() -> None:
 def test_auto_precision_predicts_measured_error_and_keeps_budget() -> None:
     model = _mlp()
     x, y = _data()
-    c = Controller(model, "L2.1", min_numel=1, max_passes=16)
+    c = Controller(model, "G2.1", min_numel=1, max_passes=16)
     train_iterations(c, cross_entropy_backprop(model, x, y))
     policy = c.policy
     assert isinstance(policy, AutoPrecision) and policy.estimates == 1
@@ -143,7 +143,7 @@ def test_estimation_overhead_amortised_below_ten_percent() -> None:
         model.zero_grad()
         model(x).square().mean().backward()
 
-    c = Controller(model, "L2", min_numel=1)
+    c = Controller(model, "G2", min_numel=1)
     interval = c.policy.adapt_interval
     with c:
         backprop()

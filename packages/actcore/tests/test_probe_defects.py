@@ -72,7 +72,7 @@ def test_an_atomic_json_write_keeps_the_files_permissions(tmp_path) -> None:
 
 def test_both_routes_refuse_a_non_finite_error_bound() -> None:
     with pytest.raises(ValueError, match="finite positive number, got nan"):
-        actcore.Controller(nn.Linear(4, 4), "L2", policy="acgc", error_bound=float("nan"))
+        actcore.Controller(nn.Linear(4, 4), "G2", policy="acgc", error_bound=float("nan"))
     with pytest.raises(ValueError, match="finite positive number, got inf"):
         actcore.convert(nn.Linear(4, 4), policy="acgc", error_bound=float("inf"))
 
@@ -250,7 +250,7 @@ def test_same_names_other_shapes_is_refused() -> None:
 
 
 def _estimated_controller(model: nn.Module, x: torch.Tensor) -> actcore.Controller:
-    controller = actcore.Controller(model, "L2", policy="acgc", error_bound=0.1)
+    controller = actcore.Controller(model, "G2", policy="acgc", error_bound=0.1)
 
     def backprop() -> None:
         with controller:

@@ -36,7 +36,7 @@ def test_bert_shaped_encoder_l12_keeps_10x_fewer_bytes() -> None:
     with memory.track(model) as plain:
         out = model(x)
     del out
-    with compress_saved_tensors("L1.2", model=model), memory.track(model) as packed:
+    with compress_saved_tensors("G1.2", model=model), memory.track(model) as packed:
         out = model(x)
     assert packed.hooks == "foreign"  # counted from what our pack hook reported
     assert plain.retained_bytes > 90e6
@@ -62,12 +62,12 @@ def _encoder_grads(seq_len: int, level: str, **options) -> tuple[list, list]:
 
 
 def test_l0_gradients_bitwise_equal() -> None:
-    exact, hooked = _encoder_grads(16, "L0")
+    exact, hooked = _encoder_grads(16, "G0")
     assert all(torch.equal(a, b) for a, b in zip(exact, hooked, strict=True))
 
 
 def test_eight_bit_gradients_cosine() -> None:
-    exact, hooked = _encoder_grads(32, "L1.1", min_numel=64)
+    exact, hooked = _encoder_grads(32, "G1.1", min_numel=64)
     assert grad_cosine(exact, hooked) >= 0.99
 
 
@@ -225,7 +225,7 @@ def test_checkpoint_innermost_hooks_win() -> None:
         hooked = _grads(model, step)
     assert seen == [x.shape]  # only the checkpoint's input went through our hooks
     assert grad_cosine(plain, hooked) >= 0.99
-    with compress_saved_tensors("L0", model=model):
+    with compress_saved_tensors("G0", model=model):
         assert all(torch.equal(a, b) for a, b in zip(plain, _grads(model, step), strict=True))
 
     def partial() -> None:  # compressed outside the checkpointed part, recomputed inside
@@ -307,7 +307,7 @@ def test_gnn_and_cnn_train_through_hooks() -> None:
             p.data.copy_(torch.randn_like(p) * 0.3)
         opt = torch.optim.Adam(model.parameters(), lr=3e-2)
         losses = []
-        with compress_saved_tensors(4 if hooks else "L0", model=model, min_numel=64):
+        with compress_saved_tensors(4 if hooks else "G0", model=model, min_numel=64):
             for _ in range(10):
                 opt.zero_grad()
                 loss = F.cross_entropy(model(inp), y)
@@ -326,8 +326,8 @@ def test_gnn_and_cnn_train_through_hooks() -> None:
 
 
 def test_bad_policy_errors_name_value() -> None:
-    with pytest.raises(ValueError, match=r"'L9'.*L0, L1, L1\.1"):
-        compress_saved_tensors("L9")
+    with pytest.raises(ValueError, match=r"'G9'.*G0, G1, G1\.1"):
+        compress_saved_tensors("G9")
     with pytest.raises(ValueError, match=r"in 1\.\.8, got 9"):
         compress_saved_tensors(9)
     with pytest.raises(TypeError, match="policy must be"):
@@ -388,7 +388,7 @@ def test_attention_reruns_from_packed_qkv(multihead: bool) -> None:
     model = _OutlierAttention(multihead)
     x = torch.randn(4, 32, 64)
     exact = flat(_grads(model, lambda: model(x).sum().backward()))
-    hooks = compress_saved_tensors("L1", model=model)
+    hooks = compress_saved_tensors("G1", model=model)
     shapes: list[torch.Size] = []
     pack = hooks.pack
     hooks.pack = lambda t: (shapes.append(t.shape), pack(t))[1]  # type: ignore[method-assign]
@@ -403,7 +403,7 @@ def test_attention_reruns_from_packed_qkv(multihead: bool) -> None:
         assert float((got - exact).norm() / exact.norm()) < 0.3
     assert shapes.count(torch.Size([4, 4, 32, 16])) == 3  # q, k, v only
     assert torch.Size([4, 4, 32]) not in shapes  # no logsumexp
-    for level, rerun in (("L1", True), ("L0", False)):  # L0: torch's own kernel, as it is
+    for level, rerun in (("G1", True), ("G0", False)):  # G0: torch's own kernel, as it is
         with compress_saved_tensors(level, model=model):
             nodes = _graph_nodes(model(x))
         assert any(n.startswith("AttentionFunction") for n in nodes) == rerun, (level, nodes)

@@ -247,7 +247,7 @@ KINDS: dict[str, Callable[[bool], tuple[nn.Module, Tensor]]] = {
     ),
 }
 
-ROUTES = [("convert", "L3"), ("convert", "L2"), ("hooks", "L1"), ("hooks", "L1.2")]
+ROUTES = [("convert", "L3"), ("convert", "L2"), ("hooks", "G1"), ("hooks", "G1.2")]
 
 
 OPEN: dict[tuple[str, bool, str, str], str] = {}
@@ -296,9 +296,9 @@ def test_hooks_route_gives_a_batch_norm_on_a_small_map_its_bits(
     unbiased; at the level's 2 bits the conv before it is visibly biased."""
     torch.manual_seed(0)
     model, x = SmallMapBatchNorm(outlier=False, silu=False), torch.randn(4, 16, 2, 2)
-    _assert_unbiased(model, x, "hooks", "L1.2")
+    _assert_unbiased(model, x, "hooks", "G1.2")
     monkeypatch.setattr(actcore.layers.stash, "batch_norm_bits", lambda t: 1)
-    assert _ratios(model, x, "hooks", "L1.2")["conv.weight"] > LIMIT
+    assert _ratios(model, x, "hooks", "G1.2")["conv.weight"] > LIMIT
 
 
 def test_the_check_sees_a_biased_gradient(one_thread: None, small_tensors: None) -> None:
@@ -319,11 +319,11 @@ def test_the_check_sees_a_biased_gradient(one_thread: None, small_tensors: None)
 
     torch.manual_seed(0)
     model = Between(RoundedTanh.apply, outlier=True)
-    ratios = _ratios(model, _tokens(), "hooks", "L1.2")
+    ratios = _ratios(model, _tokens(), "hooks", "G1.2")
     assert ratios["first.weight"] > LIMIT
 
 
-DEFAULTS = [("convert", "L3"), ("convert", "L2"), ("hooks", "L1"), ("hooks", "L2")]
+DEFAULTS = [("convert", "L3"), ("convert", "L2"), ("hooks", "G1"), ("hooks", "G2")]
 
 
 @pytest.mark.parametrize("kind", ["gelu", "silu", "tanh", "sigmoid"])

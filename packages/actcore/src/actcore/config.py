@@ -1,13 +1,15 @@
-"""Optimization levels of the layer-swap route and the process-wide configuration.
+"""The optimization levels of both routes, and the process-wide configuration.
 
-``actcore.set_optimization_level("L3")`` picks the level that Q-layers use unless
-``convert(model, level=...)`` gave them their own. The table of levels is ``LEVELS`` (after
-ActNN's), and :func:`level_spec` is the layer route's one resolver of level names. The
-saved-tensor hooks route (``Controller``, ``compress_saved_tensors``) has its own table
-after GACT's, :data:`actcore.policies.HOOK_LEVELS`, resolved by
-:func:`actcore.policies.hook_level`: the same name may mean another thing there (L3 is
-2-bit adaptive here, 4-bit auto precision with CPU swap there), so a name is only ever
-looked up in its own route's table.
+Each route has its own table, and no name is in both:
+
+* the layer-swap route (``convert``, Q-layers): ``L0`` .. ``L5`` in :data:`LEVELS` (after
+  ActNN's), resolved by :func:`level_spec`. ``actcore.set_optimization_level("L3")`` picks
+  the level of Q-layers that ``convert(model, level=...)`` gave none;
+* the saved-tensor hooks route (``Controller``, ``compress_saved_tensors``): ``G0`` ..
+  ``G3`` in :data:`HOOK_LEVELS` (GACT's ``L0`` .. ``L3``, renamed so that a name means one
+  thing), resolved by :func:`hook_level`.
+
+A name of the other route is refused with a ValueError that says which route it belongs to.
 
 Notes per level: L3 and above attach an :class:`actcore.adaptive.AdaptiveBits` (per-sample
 and per-layer bits around the 2-bit average). L3.1 only changes the convolution backward
@@ -23,10 +25,13 @@ from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 __all__ = [
+    "HOOK_LEVELS",
     "LEVELS",
     "Config",
+    "HookLevel",
     "LevelSpec",
     "config",
+    "hook_level",
     "level_spec",
     "lookup_level",
     "set_optimization_level",
@@ -141,27 +146,73 @@ LEVELS: dict[str, LevelSpec] = {
 }
 
 
-def level_spec(level: str | LevelSpec) -> LevelSpec:
-    """The :class:`LevelSpec` of ``level``, or ValueError listing the valid names.
+@dataclass(frozen=True)
+class HookLevel:
+    """One optimization level of the saved-tensor hooks route (``Controller(level=...)``)."""
 
-    The layer route's resolver: it knows :data:`LEVELS` only (a hooks-route name such as
-    ``"L1.2"`` is an unknown level here, see :func:`actcore.policies.hook_level`)."""
-    return lookup_level(LEVELS, level, LevelSpec, "optimization level")
+    name: str
+    bits: int | None  # fixed bits, or the average-bits budget when ``auto``; None: no compression
+    auto: bool = False  # per-tensor bits from sensitivity
+    swap: bool = False  # packed tensors moved to pinned CPU memory (GPU only)
+    summary: str = ""
+
+
+HOOK_LEVELS: dict[str, HookLevel] = {
+    lv.name: lv
+    for lv in (
+        HookLevel("G0", None, summary="no compression (gradients bitwise equal to no hooks)"),
+        HookLevel("G1", 4, summary="every saved activation at 4 bits"),
+        HookLevel("G1.1", 8, summary="every saved activation at 8 bits"),
+        HookLevel("G1.2", 2, summary="every saved activation at 2 bits"),
+        HookLevel("G2", 4, auto=True, summary="auto precision: 4 bits on average"),
+        HookLevel("G2.1", 3, auto=True, summary="auto precision: 3 bits on average"),
+        HookLevel("G2.2", 2, auto=True, summary="auto precision: 2 bits on average"),
+        HookLevel(
+            "G3",
+            4,
+            auto=True,
+            swap=True,
+            summary="auto precision, 4 bits on average, packed data swapped to pinned CPU memory",
+        ),
+    )
+}
+
+_LAYER_ROUTE = "the layer-swap route (actcore.convert, set_optimization_level)"
+_HOOKS_ROUTE = "the saved-tensor hooks route (actcore.Controller, compress_saved_tensors)"
+
+
+def level_spec(level: str | LevelSpec) -> LevelSpec:
+    """The :class:`LevelSpec` of ``level``, or ValueError listing the valid names (and
+    saying so when ``level`` is a name of the hooks route, :data:`HOOK_LEVELS`)."""
+    return lookup_level(LEVELS, level, LevelSpec, "optimization level", (HOOK_LEVELS, _HOOKS_ROUTE))
+
+
+def hook_level(level: str | HookLevel) -> HookLevel:
+    """The :class:`HookLevel` named ``level``, or ValueError listing the valid names (and
+    saying so when ``level`` is a name of the layer route, :data:`LEVELS`)."""
+    return lookup_level(HOOK_LEVELS, level, HookLevel, "level", (LEVELS, _LAYER_ROUTE))
 
 
 def lookup_level(
-    table: Mapping[str, _Level], level: object, kind: type[_Level], what: str
+    table: Mapping[str, _Level],
+    level: object,
+    kind: type[_Level],
+    what: str,
+    other: tuple[Mapping[str, object], str] | None = None,
 ) -> _Level:
     """``level`` itself when it is a ``kind``, else ``table[level]``; an unknown name is a
-    ValueError naming it (as a ``what``) and the valid ones. What each route's resolver
-    does with its own table: :func:`level_spec` here, the hooks route's ``hook_level``."""
+    ValueError naming it (as a ``what``) and the valid ones, and, when it is in ``other``'s
+    table, that route (``other``: the other route's table and its description)."""
     if isinstance(level, kind):
         return level
     try:
         return table[level]  # type: ignore[index]
     except (KeyError, TypeError):
         valid = ", ".join(table)
-        raise ValueError(f"unknown {what} {level!r}; valid levels: {valid}") from None
+        where = ""
+        if other is not None and isinstance(level, str) and level in other[0]:
+            where = f" ({level!r} is a level of {other[1]})"
+        raise ValueError(f"unknown {what} {level!r}{where}; valid levels: {valid}") from None
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 ::
 
-    controller = actcore.Controller(model, level="L2")
+    controller = actcore.Controller(model, level="G2")
     controller.install_hook()
     for x, y in loader:
         def backprop():
@@ -65,9 +65,8 @@ class Controller:
     Args:
         model: the model (its parameters/buffers are never compressed; its module names key
             the per-tensor bit plan).
-        level: one of :data:`actcore.policies.HOOK_LEVELS` (``"L0"``..``"L3"``), GACT's
-            levels, resolved by :func:`actcore.policies.hook_level` only: ``"L3"`` here is
-            4-bit auto precision with CPU swap, not ``convert``'s 2-bit adaptive L3.
+        level: one of :data:`actcore.config.HOOK_LEVELS` (``"G0"``..``"G3"``: GACT's
+            ``L0``..``L3``; ``convert``'s level names are refused here).
         policy: ``None`` (the level's), ``"fixed"``, ``"auto"``, ``"acgc"`` or a
             :class:`~actcore.policies.Policy`.
         fewbit_bits: 1..4, or None. When given, the model's smooth activations (GELU, SiLU,
@@ -89,7 +88,7 @@ class Controller:
     def __init__(
         self,
         model: nn.Module,
-        level: str | HookLevel = "L2",
+        level: str | HookLevel = "G2",
         *,
         policy: str | Policy | None = None,
         fewbit_bits: int | None = None,

@@ -212,7 +212,11 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--task", choices=TASKS, default="digits")
-    p.add_argument("--levels", default="fp,L2,L3", help="comma-separated levels (fp: no ACT)")
+    p.add_argument(
+        "--levels",
+        default=None,
+        help="comma-separated levels, fp: no ACT (default fp,L2,L3; fp,G2,G3 with --route hooks)",
+    )
     p.add_argument("--seeds", type=positive_int, default=3, help="seeds 0..N-1 (default 3)")
     p.add_argument("--epochs", type=positive_int, default=AccuracyConfig.epochs)
     p.add_argument("--batch", type=positive_int, default=AccuracyConfig.batch)
@@ -224,9 +228,14 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
 
 def _validate(args: argparse.Namespace) -> None:
     from .memory import split_items
-    from .routes import check_levels
+    from .routes import check_levels, route_defaults
 
-    args.levels = check_levels(split_items(args.levels), args.route)
+    levels = (
+        split_items(args.levels)
+        if args.levels is not None
+        else route_defaults(split_items("fp,L2,L3"), args.route)
+    )
+    args.levels = check_levels(levels, args.route)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from torch import nn
 from . import report
 from .memory import AMP_DTYPES, positive_int, resolve_device, split_items
 from .models import build_model, check_model, default_image_size, logits
-from .routes import FP, applied, check_levels
+from .routes import FP, applied, check_levels, route_defaults
 
 __all__ = [
     "COLUMNS",
@@ -175,7 +175,13 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="resnet50")
-    p.add_argument("--levels", "--level", dest="levels", default="fp,L3", help="comma-separated")
+    p.add_argument(
+        "--levels",
+        "--level",
+        dest="levels",
+        default=None,
+        help="comma-separated (default fp,L3; fp,G3 with --route hooks)",
+    )
     p.add_argument("--route", choices=["layers", "hooks"], default="layers")
     p.add_argument("--amp", choices=list(AMP_DTYPES), default="none")
     p.add_argument("--image-size", type=positive_int, default=None)
@@ -188,7 +194,12 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
 
 def _validate(args: argparse.Namespace) -> None:
     check_model(args.model)
-    args.levels = check_levels(split_items(args.levels), args.route)
+    levels = (
+        split_items(args.levels)
+        if args.levels is not None
+        else route_defaults(split_items("fp,L3"), args.route)
+    )
+    args.levels = check_levels(levels, args.route)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -216,8 +216,9 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
     p.add_argument("--batch", type=positive_int, default=32, help="batch size (default 32)")
     p.add_argument(
         "--levels",
-        default="L0,L1,L2,L3",
-        help="comma-separated levels (fp is always measured as the reference)",
+        default=None,
+        help="comma-separated levels (default L0,L1,L2,L3; G0,G1,G2,G3 with --route hooks; fp "
+        "is always measured as the reference)",
     )
     p.add_argument("--route", choices=["layers", "hooks"], default="layers")
     p.add_argument("--amp", choices=list(AMP_DTYPES), default="none", help="autocast dtype")
@@ -240,9 +241,14 @@ def positive_int(text: str) -> int:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    from .routes import check_levels
+    from .routes import check_levels, route_defaults
 
-    args.levels = check_levels(split_items(args.levels), args.route)
+    levels = (
+        split_items(args.levels)
+        if args.levels is not None
+        else route_defaults(split_items("L0,L1,L2,L3"), args.route)
+    )
+    args.levels = check_levels(levels, args.route)
     from .models import check_model
 
     check_model(args.model)

@@ -19,6 +19,7 @@ __all__ = [
     "applied",
     "check_levels",
     "hooks_available",
+    "route_defaults",
     "route_levels",
 ]
 
@@ -49,19 +50,17 @@ def _controller(model: nn.Module, level: str) -> Any:
 def route_levels(route: str) -> tuple[dict[str, Any], Callable[[Any], Any]]:
     """``route``'s own level table and the one function that resolves its level names.
 
-    The layer route (``actcore.convert``) has ActNN's levels, :data:`actcore.config.LEVELS`
-    resolved by :func:`actcore.config.level_spec`; the hooks route (``actcore.Controller``)
-    GACT's, :data:`actcore.policies.HOOK_LEVELS` resolved by
-    :func:`actcore.policies.hook_level`. A name means what its own route's table says (L3:
-    2-bit adaptive on the layer route, 4-bit auto precision with CPU swap on the hooks
-    route) and is never looked up in the other route's table.
+    The layer route (``actcore.convert``) has ActNN's levels (``L0`` .. ``L5``),
+    :data:`actcore.config.LEVELS` resolved by :func:`actcore.config.level_spec`; the hooks
+    route (``actcore.Controller``) GACT's, renamed ``G0`` .. ``G3``,
+    :data:`actcore.config.HOOK_LEVELS` resolved by :func:`actcore.config.hook_level`.
     """
     if route == "layers":
         from ..config import LEVELS, level_spec
 
         return LEVELS, level_spec
     if route == "hooks":
-        from ..policies import HOOK_LEVELS, hook_level
+        from ..config import HOOK_LEVELS, hook_level
 
         return HOOK_LEVELS, hook_level
     raise ValueError(f"unknown route {route!r}; valid routes: {', '.join(ROUTES)}")
@@ -100,6 +99,14 @@ def check_levels(levels: list[str], route: str = "layers") -> list[str]:
             valid = ", ".join([FP, *table])
             raise ValueError(f"unknown level {level!r}{where}; valid levels: {valid}") from None
     return levels
+
+
+def route_defaults(levels: list[str], route: str) -> list[str]:
+    """A command's default ``levels`` (named on the layer route) for ``route``: on the hooks
+    route each ``Lk`` becomes its namesake ``Gk`` (GACT's ``Lk``), ``fp`` stays."""
+    if route != "hooks":
+        return levels
+    return [FP if lv == FP else "G" + lv[1:] for lv in levels]
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import torch
 from . import report
 from .memory import MemoryConfig, measure_level, positive_int, resolve_device, split_items
 from .models import check_model, default_image_size
-from .routes import check_levels
+from .routes import check_levels, route_defaults
 
 __all__ = ["COLUMNS", "SweepConfig", "figure", "main", "plot", "register", "run"]
 
@@ -146,7 +146,9 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default=SweepConfig.model)
-    p.add_argument("--levels", default="fp,L2,L3", help="comma-separated levels")
+    p.add_argument(
+        "--levels", default=None, help="comma-separated (default fp,L2,L3; fp,G2,G3 for hooks)"
+    )
     p.add_argument("--batches", default="2,4,8", help="comma-separated batch sizes")
     p.add_argument("--route", choices=["layers", "hooks"], default="layers")
     p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none")
@@ -170,7 +172,12 @@ def _batches(text: str) -> list[int]:
 
 def _validate(args: argparse.Namespace) -> None:
     check_model(args.model)
-    args.levels = check_levels(split_items(args.levels), args.route)
+    levels = (
+        split_items(args.levels)
+        if args.levels is not None
+        else route_defaults(split_items("fp,L2,L3"), args.route)
+    )
+    args.levels = check_levels(levels, args.route)
     args.batches = _batches(args.batches) if isinstance(args.batches, str) else args.batches
     resolve_device(args.device)
 

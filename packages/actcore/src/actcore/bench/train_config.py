@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 DEFAULT = "default"
-DEFAULT_LEVELS = "fp,L2,L3,hooks:L1.2,hooks:L2,default"
+DEFAULT_LEVELS = "fp,L2,L3,hooks:G1.2,hooks:G2,default"
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Variant:
 
 
 def parse_levels(text: str | list[str]) -> list[Variant]:
-    """``fp,L2,L3,hooks:L1.2,default`` -> variants (fp first when given, each once).
+    """``fp,L2,L3,hooks:G1.2,default`` -> variants (fp first when given, each once).
 
     ValueError names a bad item and lists what is valid.
     """

@@ -1,12 +1,12 @@
 """Policies: how many bits each saved tensor gets (shared by both front doors).
 
-* :class:`FixedBits`: the same bits for every tensor (GACT's L1, L1.1, L1.2), or none (L0).
+* :class:`FixedBits`: the same bits for every tensor (``G1``, ``G1.1``, ``G1.2``: GACT's L1, L1.1, L1.2), or none (``G0``).
 * :class:`AutoPrecision`: per-tensor bits from measured sensitivity under an average-bits
-  budget (GACT's L2, L2.1, L2.2, L3).
+  budget (``G2``, ``G2.1``, ``G2.2``, ``G3``: GACT's L2, L2.1, L2.2, L3).
 * :class:`ACGC`: per-tensor bits so that the predicted relative gradient error stays under a
   bound (AC-GC).
 
-The hooks route's levels are in :mod:`actcore.policies.levels`, the base and fixed
+The hooks route's levels are in :mod:`actcore.config` (``HOOK_LEVELS``), the base and fixed
 policies in :mod:`actcore.policies.base`, the estimated ones in
 :mod:`actcore.policies.sensitivity`; this module builds a policy from a level or a kind.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config import HOOK_LEVELS, HookLevel, hook_level
 from .base import FixedBits, Policy, check_iteration, check_modules, plan_modules
-from .levels import HOOK_LEVELS, HookLevel, hook_level
 from .sensitivity import ACGC, AdaptivePolicy, AutoPrecision
 
 __all__ = [
@@ -45,7 +45,7 @@ POLICY_OPTIONS = {
 }
 
 
-def make_policy(level: str | HookLevel = "L2", policy: Any = None, **overrides: Any) -> Policy:
+def make_policy(level: str | HookLevel = "G2", policy: Any = None, **overrides: Any) -> Policy:
     """The policy of ``level``, or of ``policy`` (``"fixed"``, ``"auto"``, ``"acgc"`` or a
     :class:`Policy`), with ``overrides`` (e.g. ``bits=3``, ``adapt_interval=100``)."""
     if isinstance(policy, Policy):

@@ -3,7 +3,7 @@
 ``compress_saved_tensors(policy)`` is a context manager over the public
 :class:`torch.autograd.graph.saved_tensors_hooks`; it needs no model::
 
-    with actcore.compress_saved_tensors("L1.2"):
+    with actcore.compress_saved_tensors("G1.2"):
         loss = f(x).sum()      # saved activations are kept at 2 bits
     loss.backward()            # restored (dequantized) here
 
@@ -472,7 +472,7 @@ class SavedTensorHooks:
 
 
 def compress_saved_tensors(
-    policy: Any = "L1",
+    policy: Any = "G1",
     *,
     model: nn.Module | None = None,
     min_numel: int = 1024,
@@ -482,7 +482,7 @@ def compress_saved_tensors(
     """Compress the tensors autograd saves inside a ``with`` block; no model needed.
 
     Args:
-        policy: a level name of :data:`actcore.policies.HOOK_LEVELS` (``"L0"`` .. ``"L3"``),
+        policy: a level name of :data:`actcore.config.HOOK_LEVELS` (``"G0"`` .. ``"G3"``),
             a number of bits (1..8), or a :class:`actcore.policies.Policy`.
         model: optional; its parameters/buffers are recognised by storage and keys name
             modules (adaptive policies need :class:`actcore.Controller` to adapt).
