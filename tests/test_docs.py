@@ -1,6 +1,6 @@
-"""The docs' code: every ``python`` block of README.md and docs/*.md runs as it is (each in
-a fresh interpreter, in a scratch directory), and the README stays short and starts with
-its two commands."""
+"""The docs' code: every ``python`` block of README.md, docs/*.md and actcore's own package
+README runs as it is (each in a fresh interpreter, in a scratch directory), and the README
+stays short and starts with its two commands."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "packages" / "actcore" / "README.md",
+]
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.S | re.M)
 
 
@@ -28,6 +32,7 @@ def test_the_docs_have_code_to_run() -> None:
     names = [name for name, _ in _blocks()]
     assert any(n.startswith("README.md") for n in names)
     assert any(n.startswith("docs/GUIDE.md") for n in names)
+    assert any(n.startswith("packages/actcore/README.md") for n in names)
 
 
 @pytest.mark.parametrize("name,code", _blocks(), ids=[n for n, _ in _blocks()])

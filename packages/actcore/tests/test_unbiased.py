@@ -297,7 +297,7 @@ def test_hooks_route_gives_a_batch_norm_on_a_small_map_its_bits(
     torch.manual_seed(0)
     model, x = SmallMapBatchNorm(outlier=False, silu=False), torch.randn(4, 16, 2, 2)
     _assert_unbiased(model, x, "hooks", "G1.2")
-    monkeypatch.setattr(actcore.layers.stash, "batch_norm_bits", lambda t: 1)
+    monkeypatch.setattr(actcore.layers.roles, "batch_norm_bits", lambda t: 1)
     assert _ratios(model, x, "hooks", "G1.2")["conv.weight"] > LIMIT
 
 

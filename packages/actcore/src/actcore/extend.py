@@ -42,7 +42,8 @@ from .layers.functions import (
 )
 from .layers.modules import LOWER_PRECISION, autocast_inputs
 from .layers.recompute import register_recomputed
-from .layers.stash import CONV, choose, layer_spec, needs_saving, stash, unstash
+from .layers.roles import CONV
+from .layers.stash import choose, layer_spec, needs_saving, stash, unstash
 from .ops.api import check_bits
 from .saved_tensors.op_mode import call_outside_modes
 from .walker import Exclude

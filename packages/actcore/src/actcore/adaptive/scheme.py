@@ -1,70 +1,13 @@
 """Adaptive bits (level L3): per-sample and per-layer bits under an average-bits budget.
 
-Model of the gradient noise. Stochastic rounding of a group of ``n_g`` elements with range
-``r_g`` at ``b`` bits adds independent zero-mean noise of variance at most
-``n_g r_g^2 / (4 (2^b - 1)^2)`` in total. An error ``e`` in an input element of a layer moves
-its weight gradient by ``e`` times the output gradients that element meets, so the expected
-squared gradient error caused by sample ``i`` of layer ``l`` is about::
-
-    V_li(b) = s_l * w_li / (4 (2^b - 1)^2)
-
-with ``w_li = sum_g n_g r_g^2`` (:func:`~actcore.compressors.sample_range_weights`, read
-from the batch itself) and ``s_l`` the layer's sensitivity: the mean squared output
-gradient per sample, times the number of weights an input element meets per output
-position over the positions (``kernel / positions``; ``1 / (channels * positions)`` for
-normalization layers), as an exponential average over earlier steps' backward passes.
-For a linear layer the mean output gradient is weighted by where it meets large ranges:
-``s_l`` is multiplied by the coupling ``kappa_l`` of the tokens' gradient norms and input
-ranges (:func:`gradient_coupling`), without which the model was off by 0.3-2.1x per layer on a
-post-norm OLMo-2, enough to move bits the wrong way.
-
-A hidden state that several linears read (q/k/v or gate/up of a block whose norm comes
-after its sublayers, as in OLMo-2; seen from the step after the first) is packed once at
-the level's row-norm bits and left out of the budget: pre-norm models store that same
-tensor through their norm at those bits, and at 2 bits it cost OLMo-2 0.07 of gradient
-cosine (0.86 -> 0.93 with this rule, at 8.5x).
-
-Allocation. Every ``interval`` steps, :meth:`AdaptiveBits.replan` minimises
-``sum V_li(b_li)`` subject to ``sum cost_li * b_li <= budget * sum cost_li`` (``cost``: the
-elements stored) over integer ``b`` in ``[min_bits, max_bits]``: the gains of one more bit
-shrink with ``b``, so taking increments greedily by gain per cost is the classic solution of
-this separable convex problem (:func:`actcore.adaptive.bit_allocation.allocate`).
-Normalization layers start at ``ceil(budget)`` bits instead of ``min_bits``: their input
-error also reaches the input gradient, which this model does not count (at 1 bit,
-LayerNorm inputs stalled the fine-tuning of a real MiniLM that uniform 2 bits trained as
-well as fp32). Samples are not the same from step to step, so the plan is
-per *rank*: the sample with the largest ``w`` in a batch gets the bits planned for rank 0,
-and so on (for a fixed set of bit counts, giving the most bits to the largest ``w`` is
-optimal). Ranking happens on the device and the counts per bits are host data, so no step
-synchronises with the host; only ``replan`` (once per ``interval``) reads statistics back.
-Tensors stored as a ReLU's mask plus nonzeros (zero-value) get one bit width per layer.
-
-Per-dataset-sample gradients (opt-in, ActNN's ``use_gradient``). Output gradients differ
-from sample to sample too. After :meth:`AdaptiveBits.set_sample_index` (the batch's dataset
-indices, before each forward), every layer keeps a table of each dataset sample's latest
-squared output-gradient norm ``g`` (written in backward by tensor ops, no host reads), and
-a batch's sample ``i`` is weighted by ``r_i = g_i / mean_batch(g)`` (samples never seen
-get the batch mean, so ``r = 1`` before any is seen): ``V_li = s_l * r_i * w_li / ...``.
-Ranks then order ``r_i w_li`` instead of ``w_li``. The tables cost one float per dataset
-sample and layer. Without an index nothing of this runs.
-
-Steps. A step is one backward pass through the model's Q-layers (a module called twice in
-one forward still counts once); the plan is recomputed at the end of every ``interval``-th.
-With gradient accumulation every micro-batch's backward is a step. Statistics are taken on
-every step up to the first replan, then only on the last ``window`` steps before each replan
-(the exponential averages run over those): a step outside the window does no statistics
-work at all, and a layer whose plan gives all samples one width quantizes without ranking.
-Range weights are read off the quantizer's own per-group steps where no ranking needs them
-first, and the nonzeros of a zero-value tensor are counted by its mask, not searched for.
-
-Faults. A statistic whose new value is not finite (an fp16 step that overflows and that a
-``GradScaler`` then skips, one bad batch) is not taken into the averages: they keep their
-last finite values, the skip is counted (:attr:`AdaptiveBits.skipped`, checked without a
-host sync on the device) and logged once.
-
-The statistics and the plan are in :meth:`AdaptiveBits.state_dict`, so a resumed run keeps
-its plan and replans as the uninterrupted run would; :meth:`AdaptiveBits.load_state_dict`
-checks the whole state before changing anything.
+Every ``interval`` steps, :meth:`AdaptiveBits.replan` gives each layer and each rank of
+sample in a batch the bits that minimise the predicted gradient noise ``sum V_li(b_li)``
+(``V_li(b) = s_l w_li / (4 (2^b - 1)^2)``: the layer's sensitivity times the sample's range
+weight) under the budget of stored bits. Statistics are taken only in a window of steps
+before each replan, on the device (no host synchronisation outside ``replan``); a value
+that is not finite is skipped and counted; :meth:`AdaptiveBits.state_dict` resumes a run
+exactly. The model, the allocation, the per-dataset-sample option and the fault rules are
+in docs/ARCHITECTURE.md ("Adaptive bits").
 
 This module is the scheme; its parts are ``stats`` (a layer's statistics and their
 averages), ``recording`` (the statistics tap on what it packs), ``plan`` (the plan from
@@ -89,7 +32,8 @@ from ..compressors import (
     sample_range_weights,
 )
 from ..config import config
-from ..layers.stash import CONV, NORM, ROW_NORM, batch_norm_bits, layer_spec, records, role_bits
+from ..layers.roles import CONV, NORM, ROW_NORM, batch_norm_bits, role_bits
+from ..layers.stash import layer_spec, records
 from ..rng import forward_raised
 from .plan import (
     allocation_items,
@@ -101,7 +45,7 @@ from .plan import (
 )
 from .recording import Recording
 from .samples import batch_sample_scale, checked_index, write_norms
-from .state import DEFAULT_WINDOW, check_same_layers, checked_state
+from .state import DEFAULT_WINDOW, STATE_FIELDS, check_same_layers, checked_state, layer_state
 from .stats import LayerStats, ema, finite_ema, gradient_coupling, squared_norm
 
 __all__ = ["AdaptiveBits", "ScoredPerSampleQuantize"]
@@ -463,37 +407,12 @@ class AdaptiveBits:
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to replan as this one would."""
         self._read_skipped()
-        layers = {}
-        for name, st in self.layers.items():
-            layers[name] = {
-                "sens": st.sens,
-                "profile": st.profile,
-                "elems": st.elems,
-                "zero_value": st.zero_value,
-                "norm": st.norm,
-                "plan": torch.tensor(st.plan, dtype=torch.int8),
-                "grads": st.grads,
-                "sens_seen": st.sens_seen,
-                "profile_seen": st.profile_seen,
-                "readers": sorted(st.readers),
-            }
-        return {
-            "budget": self.budget,
-            "interval": self.interval,
-            "window": self.window,
-            "momentum": self.momentum,
-            "min_bits": self.min_bits,
-            "max_bits": self.max_bits,
-            "steps": self.steps,
-            "num_samples": self.num_samples,
-            "sample_momentum": self.sample_momentum,
-            "skipped": self.skipped,
-            "layers": layers,
-            "weights": {
-                name: None if shape is None else list(shape)
-                for name, shape in self._weights.items()
-            },
+        state: dict[str, Any] = {key: getattr(self, key) for key in STATE_FIELDS}
+        state["layers"] = {name: layer_state(st) for name, st in self.layers.items()}
+        state["weights"] = {
+            name: None if shape is None else list(shape) for name, shape in self._weights.items()
         }
+        return state
 
     def check_state(self, state: Any) -> tuple[tuple, dict[str, LayerStats]]:
         """``state``'s values, checked (types, ranges, plans) and taken on this scheme's
@@ -509,18 +428,8 @@ class AdaptiveBits:
         for st in layers.values():
             if st.grads is not None:
                 index_end = max(index_end, st.grads.shape[0])
-        (
-            self.budget,
-            self.interval,
-            self.window,
-            self.momentum,
-            self.min_bits,
-            self.max_bits,
-            self.steps,
-            self.num_samples,
-            self.sample_momentum,
-            self.skipped,
-        ) = top
+        for key, value in zip(STATE_FIELDS, top, strict=True):
+            setattr(self, key, value)
         self.layers.update(layers)
         self._index_end = index_end
         self._taken, self._tried = {}, {}

@@ -17,6 +17,35 @@ from .stats import LayerStats
 __all__: list[str] = []  # private to actcore.adaptive
 
 DEFAULT_WINDOW = 4  # AdaptiveBits' window (and that of states saved before it had one)
+STATE_FIELDS = (
+    "budget",
+    "interval",
+    "window",
+    "momentum",
+    "min_bits",
+    "max_bits",
+    "steps",
+    "num_samples",
+    "sample_momentum",
+    "skipped",
+)
+"""The scheme's own values a state holds beside its layers, in :func:`checked_state`'s order."""
+
+
+def layer_state(st: LayerStats) -> dict[str, Any]:
+    """One layer's statistics and plan as a state entry (:func:`checked_state` reads it)."""
+    return {
+        "sens": st.sens,
+        "profile": st.profile,
+        "elems": st.elems,
+        "zero_value": st.zero_value,
+        "norm": st.norm,
+        "plan": torch.tensor(st.plan, dtype=torch.int8),
+        "grads": st.grads,
+        "sens_seen": st.sens_seen,
+        "profile_seen": st.profile_seen,
+        "readers": sorted(st.readers),
+    }
 
 
 def _number(state: dict[str, Any], key: str, kind: type, default: Any = None) -> Any:
@@ -43,7 +72,8 @@ def _tensor(entry: dict[str, Any], key: str, name: str, dim: int | None) -> torc
 
 
 def checked_state(state: Any) -> tuple[tuple, dict[str, LayerStats]]:
-    """The values of an AdaptiveBits state, checked; ValueError/TypeError/KeyError if bad."""
+    """The values of an AdaptiveBits state (those of :data:`STATE_FIELDS`, then the layers'),
+    checked; ValueError/TypeError/KeyError if bad."""
     if not isinstance(state, dict):
         raise TypeError(f"AdaptiveBits state must be a dict, got {type(state).__name__}")
     budget = _number(state, "budget", float)
@@ -86,18 +116,8 @@ def checked_state(state: Any) -> tuple[tuple, dict[str, LayerStats]]:
         if not isinstance(entry, dict):
             raise TypeError(f"layer {name!r}: entry must be a dict, got {type(entry).__name__}")
         layers[name] = _checked_layer(str(name), entry, min_bits, max_bits)
-    top = (
-        budget,
-        interval,
-        window,
-        momentum,
-        min_bits,
-        max_bits,
-        steps,
-        num_samples,
-        sample_momentum,
-    )
-    return (*top, skipped), layers
+    top = (budget, interval, window, momentum, min_bits, max_bits, steps, num_samples)
+    return (*top, sample_momentum, skipped), layers  # in STATE_FIELDS' order
 
 
 def _checked_layer(name: str, entry: dict[str, Any], min_bits: int, max_bits: int) -> LayerStats:

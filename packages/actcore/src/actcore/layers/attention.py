@@ -35,7 +35,8 @@ from ..compressors import IDENTITY, ChannelScaled, Compressor
 from ..compressors.channel_scaled import exact_channels, joint_top
 from ..saved_tensors.op_mode import outside_function_modes, plain_float, wants_grad
 from .forward_state import forward_state, plain_saves, replayed
-from .stash import OTHER, choose, stash, unstash
+from .roles import OTHER
+from .stash import choose, stash, unstash
 
 __all__ = [
     "AttentionFunction",

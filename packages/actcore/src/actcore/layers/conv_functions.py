@@ -14,7 +14,8 @@ import torch
 
 from .double_backward import guard_input
 from .input_meta import InputMeta
-from .stash import CONV, IDENTITY, layer_spec, observe, stash, unstash
+from .roles import CONV
+from .stash import IDENTITY, layer_spec, observe, stash, unstash
 
 __all__ = [
     "ConvFunction",

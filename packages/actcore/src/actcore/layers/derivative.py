@@ -31,7 +31,8 @@ from torch.autograd.function import once_differentiable
 
 from ..saved_tensors.op_mode import outside_function_modes
 from .forward_state import plain_saves
-from .stash import DERIVATIVE, stash, unstash
+from .roles import DERIVATIVE
+from .stash import stash, unstash
 
 __all__ = ["DerivativeFunction", "keep_derivative"]
 

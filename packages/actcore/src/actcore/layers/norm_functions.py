@@ -16,16 +16,8 @@ import torch
 from ..compressors import Compressor
 from .double_backward import LOST_INPUT, layer_name, refuse_double_backward
 from .input_meta import InputMeta
-from .stash import (
-    IDENTITY,
-    NORM,
-    ROW_NORM,
-    choose,
-    derive_output,
-    observe,
-    stash,
-    unstash,
-)
+from .roles import NORM, ROW_NORM
+from .stash import IDENTITY, choose, derive_output, observe, stash, unstash
 
 __all__ = [
     "BatchNormFunction",

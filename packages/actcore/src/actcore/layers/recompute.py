@@ -40,16 +40,8 @@ from ..config import config
 from .base import ConvertedLayer
 from .derivative import keep_derivative
 from .forward_state import forward_state, plain_saves, replayed
-from .stash import (
-    ACTIVATION,
-    ROW_NORM,
-    choose,
-    derive_output,
-    note_output,
-    observe,
-    stash,
-    unstash,
-)
+from .roles import ACTIVATION, ROW_NORM
+from .stash import choose, derive_output, note_output, observe, stash, unstash
 
 __all__ = [
     "RecomputeFunction",

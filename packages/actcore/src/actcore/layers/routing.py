@@ -51,7 +51,8 @@ from .base import ConvertedLayer
 from .derivative import keep_derivative
 from .loss import ROW_FUNCS, note_rows
 from .recompute import recompute
-from .stash import NORMALIZED, derive_from, in_checkpoint, note_output
+from .roles import NORMALIZED
+from .stash import derive_from, in_checkpoint, note_output
 
 __all__ = ["AttentionRouter", "FunctionalLayer", "FunctionalRouter"]
 

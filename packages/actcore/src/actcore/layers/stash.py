@@ -10,7 +10,6 @@ ReLU output saved by the next layer reuses the ReLU's own 1-bit mask at levels w
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -22,20 +21,11 @@ from ..compressors.channel_scaled import scaled
 from ..config import LevelSpec, config
 from ..memory import saved_hooks
 from ..saved_tensors.handles import check_version
+from . import roles
+from .roles import CONV, NARROW_BITS, NORM, role_bits
 
 __all__ = [
-    "ACTIVATION",
-    "BATCH_NORM_BIAS",
-    "CONV",
-    "DERIVATIVE",
-    "EXPANSION",
-    "NARROW_BITS",
-    "NORM",
-    "NORMALIZED",
-    "OTHER",
-    "ROW_NORM",
     "Part",
-    "batch_norm_bits",
     "choose",
     "derive",
     "derive_from",
@@ -53,75 +43,11 @@ __all__ = [
     "packing_of",
     "records",
     "remember_packing",
-    "role_bits",
     "source_part",
     "stash",
     "top_hooks",
     "unstash",
 ]
-
-CONV = "conv"  # inputs of conv / linear layers
-NORM = "norm"  # inputs of normalization layers
-ROW_NORM = "row_norm"  # inputs of layer / group / RMS norms, F.normalize's unit vectors
-ACTIVATION = "activation"  # inputs of smooth activations (their outputs derive from them)
-DERIVATIVE = "derivative"  # a smooth activation's derivative f'(x) (config.keep_derivatives)
-OTHER = "other"  # anything else the forward saves (the saved-tensor hooks' tensors)
-NORMALIZED = ROW_NORM  # (the unit vectors of F.normalize are kept as row-norm inputs)
-_SCALED_ROLES = frozenset({CONV, ROW_NORM, ACTIVATION, OTHER})
-"""Roles whose tensors may carry outlier channels (a batch norm's normalized input has none
-by construction; an activation's derivative is bounded). All but CONV are used nonlinearly
-in backward (an activation's input is rebuilt into ``f(x)`` and ``f'(x)``), so they keep
-their largest channels exact too."""
-
-
-EXPANSION = 8
-"""A linear whose output is at least this many times wider than its input (LoRA's
-``lora_B``, a bottleneck adapter's up-projection) keeps its input at :data:`NARROW_BITS`
-at least: such an input costs little next to the tensors around it, and its weight
-gradient sums few features per token, so rounding noise averages out far less than in a
-square layer's."""
-NARROW_BITS = 8
-
-
-def _expands(layer: Any) -> bool:
-    fan_in, fan_out = getattr(layer, "in_features", 0), getattr(layer, "out_features", 0)
-    return isinstance(fan_in, int) and fan_in > 0 and fan_out >= EXPANSION * fan_in
-
-
-BATCH_NORM_BIAS = 2e-3
-"""The largest relative bias a batch norm's input gradient may get from its rounded input
-(see :func:`batch_norm_bits`): 0.2%, against tens of percent of rounding noise in one
-step's gradient, so the mean over hundreds of steps still sees noise, not bias."""
-
-
-def batch_norm_bits(x: torch.Tensor) -> int:
-    """The fewest bits (1..8) for a batch norm's normalized input ``x`` that keep the bias of
-    its input gradient within :data:`BATCH_NORM_BIAS`.
-
-    That gradient is ``x_hat * mean(grad * x_hat)`` (and linear terms) per channel: quadratic
-    in the rounded ``x_hat``, so each element's own rounding variance enters it, relative
-    size ``var / N`` for ``N`` values per channel. With ``x_hat`` within +-3 and a step of
-    ``6 / (2^b - 1)`` (variance at most step^2 / 4), ``2^b - 1 >= 3 / sqrt(N * bias)``: 2
-    bits from about 500 values per channel, 5 bits at 16 (a 2x2 map, batch 4).
-    """
-    n = x.numel() // max(1, x.shape[1]) if x.dim() >= 2 else x.numel()
-    levels = 3.0 / math.sqrt(max(1, n) * BATCH_NORM_BIAS)
-    return min(8, max(1, math.ceil(math.log2(1.0 + levels))))
-
-
-def role_bits(spec: LevelSpec, role: str) -> int | None:
-    """The bits ``spec`` gives a tensor of ``role`` (None: kept as it is)."""
-    if role == CONV:
-        return spec.conv_bits
-    if role == NORM:
-        return spec.norm_bits
-    if role == ROW_NORM:
-        return spec.row_norm_bits
-    if role in (ACTIVATION, DERIVATIVE):
-        return spec.activation_bits
-    if role == OTHER:
-        return spec.other_bits
-    raise ValueError(f"unknown role {role!r}")
 
 
 class _TensorTable:
@@ -219,7 +145,7 @@ def choose(layer: Any, role: str, x: torch.Tensor, channel_dim: int | None = Non
     if role == CONV and getattr(layer, "act_feeds_loss", False):
         return IDENTITY  # a loss head: the loss keeps this very input (actcore.layers.loss)
     bits = role_bits(spec, role)
-    if bits is not None and role == CONV and _expands(layer):
+    if bits is not None and role == CONV and roles.expands(layer):
         bits = max(bits, NARROW_BITS)  # a low-rank input (LoRA's B): cheap, so kept finer
     if bits is None or x.numel() < config.min_numel or not x.is_floating_point():
         base: Compressor = IDENTITY
@@ -228,7 +154,7 @@ def choose(layer: Any, role: str, x: torch.Tensor, channel_dim: int | None = Non
         mask = record.get("mask") if record is not None else None
         scheme = getattr(layer, "act_scheme", None)
         if role == NORM:  # few values per channel: finer (adaptive plans keep the floor)
-            bits = max(bits, batch_norm_bits(x))
+            bits = max(bits, roles.batch_norm_bits(x))
         chosen = None if scheme is None else scheme.compressor(layer, role, x, bits, mask)
         if chosen is not None:
             base = chosen
@@ -236,7 +162,7 @@ def choose(layer: Any, role: str, x: torch.Tensor, channel_dim: int | None = Non
             base = ZeroValue(mask, Quantize(bits, config.group_size, per_sample=False))
         else:
             base = Quantize(bits, config.group_size, stochastic=config.stochastic)
-        if role in _SCALED_ROLES and not isinstance(base, ZeroValue):
+        if role in roles.SCALED_ROLES and not isinstance(base, ZeroValue):
             # outlier channels apart; exact where backward is nonlinear in the tensor
             base = scaled(base, x, config.group_size, exact=role != CONV, dim=channel_dim)
     return Swap(base) if spec.swap else base

@@ -71,7 +71,7 @@ from ..compressors import (
     ZeroValue,
 )
 from ..compressors.channel_scaled import scaled
-from ..layers import stash
+from ..layers import roles, stash
 from ..layers.attention import shared_exact_dims
 from ..layers.routing import AttentionRouter
 from ..policies import as_policy
@@ -301,7 +301,7 @@ class SavedTensorHooks:
         if mode is None or mode.floored_input == 0 or storage_ptr(t) != mode.floored_input:
             return bits
         if mode.floored_kind == "batch_norm":
-            return max(bits, stash.batch_norm_bits(t)) if t.dim() >= 2 else bits
+            return max(bits, roles.batch_norm_bits(t)) if t.dim() >= 2 else bits
         return max(bits, ACTIVATION_BITS)
 
     def _keeps_exact(self, t: Tensor) -> bool:

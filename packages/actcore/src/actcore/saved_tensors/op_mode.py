@@ -73,7 +73,7 @@ FLOORED_INPUTS: dict[Any, str] = {
     ),
 }
 """Calls whose saved input gets a bits floor, by kind: ``"batch_norm"``
-(:func:`actcore.layers.stash.batch_norm_bits`), ``"activation"`` (nonlinear backward at 4 bits)."""
+(:func:`actcore.layers.roles.batch_norm_bits`), ``"activation"`` (nonlinear backward at 4 bits)."""
 
 
 def _floor_kind(func: Any) -> str | None:
