@@ -119,10 +119,16 @@ def gradient_coupling(grad: torch.Tensor, restored: torch.Tensor, group_size: in
     if channels % group_size == 0:  # whole groups per position
         spread = ranges.view(n, positions, -1).sum(-1) * group_size
     elif group_size % channels == 0:  # whole positions per group
-        spread = ranges.repeat_interleave(group_size // channels, 1)[:, :positions] * channels
+        spread = _repeat(ranges, group_size // channels)[:, :positions] * channels
     else:
-        per_element = ranges.repeat_interleave(group_size, 1)[:, :size]
+        per_element = _repeat(ranges, group_size)[:, :size]
         spread = per_element.view(n, positions, channels).sum(-1)
     energy = squared_norm(grad.detach().reshape(n, positions, -1), dim=-1)
     expected = energy.mean() * spread.sum()
     return torch.where(expected > 0, (energy * spread).sum() / expected, one)
+
+
+def _repeat(x: torch.Tensor, times: int) -> torch.Tensor:
+    """``x.repeat_interleave(times, 1)`` of a 2-D ``x`` as a view and one copy (no device
+    synchronisation: ``repeat_interleave`` sizes its output from the data on CUDA)."""
+    return x.unsqueeze(-1).expand(*x.shape, times).reshape(x.shape[0], -1)
