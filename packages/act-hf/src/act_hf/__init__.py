@@ -2,8 +2,10 @@
 
 ``act_hf.convert(model, level="L3")`` compresses what any ``PreTrainedModel`` keeps for
 backward: linear/``Conv1D``/norm inputs quantized, activation derivatives at a few bits,
-dropout masks at 1 bit, and attention through the ``act_eager`` attention function
-registered in transformers' ``AttentionInterface``. ``ACTCallback`` does it under ``Trainer``.
+dropout masks at 1 bit, and the model's own attention implementation (sdpa, eager, ...)
+with q, k, v compressed; ``attention="act_eager"`` switches to the eager attention function
+that :mod:`act_hf.attention` registers in transformers' ``AttentionInterface``.
+``ACTCallback`` does it under ``Trainer``.
 """
 
 from __future__ import annotations

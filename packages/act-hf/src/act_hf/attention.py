@@ -211,7 +211,7 @@ def _fallback(module: nn.Module, why: str, *args: Any, **kwargs: Any):
         raise RuntimeError(
             f"act_eager cannot compute attention for {type(module).__name__} ({why}) and its "
             "model file has no eager_attention_forward to fall back to; use "
-            "attn_implementation='eager' or act_hf.convert(..., attention=False)"
+            "attn_implementation='eager' or act_hf.convert(..., attention='keep')"
         )
     name = type(module).__name__
     if name not in _warned:
