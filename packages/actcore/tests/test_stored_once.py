@@ -5,6 +5,8 @@ loss that recomputes the logits."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -152,3 +154,52 @@ def test_loss_head_keeps_the_input_the_loss_keeps(shift: str) -> None:
         held = layers_only(ids)  # noqa: F841 (the graph lives as long as its output)
     # layers only: log-probabilities (tokens x vocab, fp32) kept instead of the hidden state
     assert plain_rep.retained_bytes - rep.retained_bytes >= 8 * 47 * 96 * 4 - hidden_fp32
+
+
+@pytest.mark.parametrize(("classes", "held"), [(10, False), (512, True)])
+def test_a_narrow_head_does_not_hold_its_input_for_the_loss(classes: int, held: bool) -> None:
+    """A classifier's head over few classes leaves its full-precision input free once the
+    forward returns, though the caller keeps the output (keeping it for a loss to recompute
+    the logits would cost more than the logits); a head at least as wide as its input (a
+    language model's) holds it as long as its output, as the loss recomputes from it."""
+    torch.manual_seed(0)
+    model = actcore.convert(
+        nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, classes)), "L3"
+    )
+    seen: list[weakref.ref] = []
+    model[2].register_forward_pre_hook(lambda m, args: seen.append(weakref.ref(args[0])))
+    out = model(torch.randn(32, 64))
+    gc.collect()
+    assert (seen[0]() is not None) is held
+    F.cross_entropy(out, torch.randint(0, classes, (32,))).backward()  # trains either way
+    assert model[2].weight.grad is not None and model[2].weight.grad.isfinite().all()
+
+
+class _Classifier(nn.Module):
+    """A classifier computing its loss in its forward, the logits' gradient recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 256), nn.ReLU())
+        self.head = nn.Linear(256, 10)
+        self.logits_grad: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.body(x))
+        logits.register_hook(lambda g: setattr(self, "logits_grad", g))
+        return F.cross_entropy(logits, y)
+
+
+def test_a_narrow_heads_loss_keeps_its_logits_exact() -> None:
+    """The loss of a narrow head keeps the logits themselves (fewer bytes than the head's
+    input): the gradient reaching the logits is exactly plain PyTorch's."""
+    torch.manual_seed(0)
+    plain = _Classifier()
+    model = actcore.convert(copy.deepcopy(plain), "L3")
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    for _ in range(2):  # (a second step: nothing marks the head)
+        model(x, y).backward()
+    plain(x, y).backward()
+    assert model.logits_grad is not None and plain.logits_grad is not None
+    assert torch.equal(model.logits_grad, plain.logits_grad)
+    assert not getattr(model.head, "act_feeds_loss", False)

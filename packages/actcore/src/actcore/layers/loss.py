@@ -12,6 +12,9 @@ model's forward, :class:`CrossEntropyFunction` computes the very same loss and k
   then marked (``act_feeds_loss``): from its next call on it keeps that same input tensor
   for its weight gradient instead of a compressed copy (no extra bytes: the loss holds the
   tensor anyway), so the head's weight gradient is exact too;
+* the logits themselves, exact, when they are the output of a Q-layer linear narrower than
+  its input (a classifier over few classes), whose input is not held for the loss: they
+  cost less than that input would, and the gradient is exact;
 * otherwise: the logits compressed at :data:`LOGIT_BITS` bits, backward on the restored
   logits (an approximation, like any compressed activation).
 
@@ -35,6 +38,7 @@ __all__ = [
     "LOGIT_BITS",
     "ROW_FUNCS",
     "CrossEntropyFunction",
+    "is_head_output",
     "linear_source",
     "mark_loss_head",
     "note_cast",
@@ -53,12 +57,17 @@ def note_linear_output(
 ) -> None:
     """Record that ``out == F.linear(x, weight, bias)``, computed by ``layer`` (held weakly).
 
-    ``x`` is held as long as ``out`` lives (the record goes with ``out``): a head's input is
-    often a temporary (``head(norm(h))``) that the loss could otherwise not find. It costs
-    tokens x hidden while the tokens x vocabulary logits are alive anyway.
+    When ``out`` is at least as wide as ``x`` (a language model's head: tokens x vocabulary
+    from tokens x hidden), ``x`` is held as long as ``out`` lives (the record goes with
+    ``out``): a head's input is often a temporary (``head(norm(h))``) that the loss could
+    otherwise not find, and it costs no more than the logits, alive anyway. A narrower
+    output (a classifier over few classes) holds ``x`` weakly: keeping it would cost more
+    than the logits themselves, beyond what the backward holds, for as long as the caller
+    keeps the output; a loss then recomputes from ``x`` only while something else holds it.
     """
     layer_ref = None if layer is None else weakref.ref(layer)
-    records().setdefault(out)[_SOURCE] = (x, x._version, weight, bias, layer_ref, ())
+    held: Any = x if out.dim() and x.dim() and out.shape[-1] >= x.shape[-1] else weakref.ref(x)
+    records().setdefault(out)[_SOURCE] = (held, x._version, weight, bias, layer_ref, ())
 
 
 def note_cast(out: torch.Tensor, source: torch.Tensor) -> None:
@@ -161,8 +170,9 @@ def linear_source(logits: torch.Tensor) -> tuple[torch.Tensor, Any, Any, tuple] 
     found = _source_record(logits)
     if found is None:
         return None
-    x, version, weight, bias, _, steps = found
-    if x._version != version:
+    held, version, weight, bias, _, steps = found
+    x = held() if isinstance(held, weakref.ref) else held
+    if x is None or x._version != version:
         return None
     try:
         rows = _replay(x.detach(), steps)  # views, or a copy for an index tensor (dropped)
@@ -171,6 +181,12 @@ def linear_source(logits: torch.Tensor) -> tuple[torch.Tensor, Any, Any, tuple] 
     if rows.numel() // rows.shape[-1] != logits.numel() // logits.shape[-1]:
         return None  # rows selected in a way that was not followed
     return x, weight, bias, steps
+
+
+def is_head_output(logits: torch.Tensor) -> bool:
+    """Whether ``logits`` are a Q-layer linear's output (seen through casts and selections
+    of rows), recorded by :func:`note_linear_output`."""
+    return _source_record(logits) is not None
 
 
 def mark_loss_head(logits: torch.Tensor) -> None:
@@ -186,7 +202,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     """``F.cross_entropy(logits, target, **options)`` keeping what recomputes the logits."""
 
     @staticmethod
-    def forward(ctx, logits, target, options, source, layer):
+    def forward(ctx, logits, target, options, source, layer, exact):
         loss = F.cross_entropy(logits, target, **options)
         ctx.options, ctx.shape, ctx.dtype = options, logits.shape, logits.dtype
         if source is not None:
@@ -195,7 +211,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             stash(ctx, layer, [(x, IDENTITY), (target, IDENTITY)])
         else:
             ctx.linear = None
-            comp = Quantize(LOGIT_BITS, stochastic=False)
+            comp = IDENTITY if exact else Quantize(LOGIT_BITS, stochastic=False)
             stash(ctx, layer, [(logits, comp), (target, IDENTITY)])
         return loss
 
@@ -213,4 +229,4 @@ class CrossEntropyFunction(torch.autograd.Function):
             leaf = logits.detach().requires_grad_(True)
             loss = F.cross_entropy(leaf, target, **ctx.options)
             (found,) = torch.autograd.grad(loss, leaf, grad)
-        return found, None, None, None, None
+        return found, None, None, None, None, None

@@ -15,9 +15,10 @@ in-place forms), ``F.relu6``, ``F.hardtanh``,           that the next layer save
 ``F.dropout``, ``torch.dropout`` (training)             the keep mask at 1 bit
 ``F.gelu``, ``F.silu``, ``F.hardswish``, ``F.mish``,    a ``fewbit_bits``-bit derivative code
 ``F.elu``, ``F.celu``, ``F.selu``, ``F.softplus``,      (FewBit); with ``fewbit_bits=None``
-``F.logsigmoid``, ``F.softsign``, ``F.tanhshrink``,     they stay with the hooks (input
-``torch.sigmoid``, ``torch.tanh`` (and ``F.``,          quantized like any other tensor)
-``Tensor.`` forms)
+``F.logsigmoid``, ``F.softsign``, ``F.tanhshrink``,     the input at the level's activation
+``torch.sigmoid``, ``torch.tanh`` (and ``F.``,          bits, the call rerun in backward
+``Tensor.`` forms)                                      (or its derivative kept, with
+                                                        ``config.keep_derivatives``)
 ``F.layer_norm``, ``F.group_norm``, ``F.batch_norm``,   the normalized input at the level's
 ``F.rms_norm``                                          norm bits, exact statistics
 ``F.cross_entropy`` (class indices)                     the head linear's input and weight, to
@@ -295,7 +296,7 @@ _CE_OPTIONS = ("weight", "ignore_index", "reduction", "label_smoothing")
 
 
 def _cross_entropy(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-    from .loss import CrossEntropyFunction, linear_source, mark_loss_head
+    from .loss import CrossEntropyFunction, is_head_output, linear_source, mark_loss_head
 
     names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
     bound = {n: kwargs[n] for n in (*names, "label_smoothing") if n in kwargs}
@@ -313,7 +314,8 @@ def _cross_entropy(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
     source = linear_source(x)
     if source is not None:
         mark_loss_head(x)
-    return CrossEntropyFunction.apply(x, target, options, source, router.layer)
+    exact = source is None and is_head_output(x)  # a narrow head: its logits kept as they are
+    return CrossEntropyFunction.apply(x, target, options, source, router.layer, exact)
 
 
 def _cast(router: FunctionalRouter, args: tuple, kwargs: dict, func: Any) -> Any:
