@@ -5,41 +5,23 @@ size an output. Counted with the profiler on CPU, where these ops are the same c
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 import actcore
+from actcore.bench.calls import count_calls
 from actcore.bench.gpt import CharGPT, GPTConfig
 
-SYNCING = frozenset(
-    {
-        "aten::_local_scalar_dense",  # .item(), bool(), int() of a tensor
-        "aten::nonzero",
-        "aten::masked_select",
-        "aten::repeat_interleave",  # sizes its output from the data unless told
-        "aten::unique",
-        "aten::_unique2",
-        "aten::masked_scatter",
-    }
-)
 INTERVAL = 5  # adaptive bits replan every 5 steps here (statistics on the 4 before)
 STEPS = 11
 
 
 def _syncs_per_step(step: Callable[[], None]) -> list[dict[str, int]]:
-    counts = []
-    for _ in range(STEPS):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            step()
-        calls = collections.Counter(e.name for e in prof.events() if e.name in SYNCING)
-        counts.append(dict(calls))
-    return counts
+    return [count_calls(step)[1] for _ in range(STEPS)]
 
 
 def _vision(name: str) -> Callable[[], tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]]:

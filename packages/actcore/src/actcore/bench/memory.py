@@ -2,7 +2,8 @@
 
 For each level a fresh model (same seed, random weights) runs one tracked forward
 (:func:`actcore.memory.track` counts what autograd keeps for backward) and backward, then
-``--steps`` timed training steps (forward + backward). ``fp`` is the plain PyTorch model:
+``--steps`` timed training steps (forward + backward), then one step under the profiler
+(its ATen calls, against fp's, and those that synchronise with the host). ``fp`` is the plain PyTorch model:
 every ratio is ``fp bytes / level bytes``, and it is measured first whether listed or not.
 """
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from .. import memory as act_memory
 from . import report
+from .calls import count_calls
 from .models import build_model, default_image_size, logits
 from .routes import FP, applied
 
@@ -138,6 +140,9 @@ def measure_level(cfg: MemoryConfig, level: str, device: torch.device) -> dict[s
             times.append(time.perf_counter() - t0)
             if after_step is not None:
                 after_step(backprop)
+        # a steady step's ATen calls (GPU kernel launches) and device-to-host syncs
+        row["aten_calls"], syncs = count_calls(backprop)
+        row["sync_calls"] = sum(syncs.values())
     step = statistics.median(times) if times else None
     row["step_time_s"] = step
     row["throughput"] = cfg.batch / step if step else None
@@ -151,7 +156,7 @@ def run(
 ) -> None:
     """Append one row per level to ``rows`` (fp first), filling in ratios to fp."""
     device = resolve_device(cfg.device)
-    fp_bytes = None
+    fp_bytes = fp_calls = None
     for level in cfg.resolved_levels():
         advance(0, description=f"{cfg.model} {level}")
         try:
@@ -168,7 +173,9 @@ def run(
             gc.collect()
             torch.cuda.empty_cache()
         if level == FP and "retained_bytes" in row:
-            fp_bytes = row["retained_bytes"]
+            fp_bytes, fp_calls = row["retained_bytes"], row.get("aten_calls")
+        if fp_calls and row.get("aten_calls"):
+            row["aten_ratio"] = row["aten_calls"] / fp_calls
         held = row.get("retained_bytes")
         if fp_bytes and held:
             row["ratio"] = fp_bytes / held
@@ -186,6 +193,9 @@ def columns(cuda: bool, errors: bool = False) -> list[report.Column]:
         report.Column("saved_fraction", "saved", lambda v: f"{100 * v:.1f}%"),
         report.Column("step_time_s", "step (fwd+bwd) s", report.fmt_float(3)),
         report.Column("throughput", "samples/s", report.fmt_float(1)),
+        report.Column("aten_calls", "ATen calls/step", report.fmt_float(0)),
+        report.Column("aten_ratio", "calls vs fp", report.fmt_float(1, "x")),
+        report.Column("sync_calls", "syncs/step", report.fmt_float(0)),
     ]
     if cuda:
         cols.insert(2, report.Column("device_bytes", "of it on GPU", report.fmt_bytes))
