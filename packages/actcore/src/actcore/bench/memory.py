@@ -3,7 +3,8 @@
 For each level a fresh model (same seed, random weights) runs one tracked forward
 (:func:`actcore.memory.track` counts what autograd keeps for backward) and backward, then
 ``--steps`` timed training steps (forward + backward), then one step under the profiler
-(its ATen calls, against fp's, and those that synchronise with the host). ``fp`` is the plain PyTorch model:
+(its ATen calls, against fp's, and those that synchronise with the host; adaptive levels
+take statistics on every step before their first replan, so these are such a step's). ``fp`` is the plain PyTorch model:
 every ratio is ``fp bytes / level bytes``, and it is measured first whether listed or not.
 """
 
@@ -140,7 +141,7 @@ def measure_level(cfg: MemoryConfig, level: str, device: torch.device) -> dict[s
             times.append(time.perf_counter() - t0)
             if after_step is not None:
                 after_step(backprop)
-        # a steady step's ATen calls (GPU kernel launches) and device-to-host syncs
+        # one more step's ATen calls (GPU kernel launches) and device-to-host syncs
         row["aten_calls"], syncs = count_calls(backprop)
         row["sync_calls"] = sum(syncs.values())
     step = statistics.median(times) if times else None
