@@ -11,15 +11,17 @@ tables are separate, see :mod:`actcore.config` and :mod:`actcore.policies`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from .compressors import IDENTITY, Compressor, Quantize, Recorded, SeededQuantize, ZeroValue
+from .compressors import IDENTITY, Compressor, Quantize, SeededQuantize, Tapped, ZeroValue
 from .config import LevelSpec, config
 from .layers.modules import QLayer
 from .policies import Policy, build_policy, check_iteration, check_modules, plan_modules
+from .saved_tensors.pass_stats import record_stats
 
 __all__ = ["PolicyScheme", "make_scheme", "set_policy"]
 
@@ -79,9 +81,14 @@ class PolicyScheme:
             )
         else:
             q = Quantize(chosen, self.group_size, per_sample=per_sample, stochastic=True)
-        if self.stats is not None:
-            q = Recorded(q, key, chosen, self)
+        if self.stats is not None:  # estimating: the spread of what it packs is recorded
+            q = Tapped(q, functools.partial(self._record, key, chosen), tag=(key,))
         return q if mask is None else ZeroValue(mask, q)
+
+    def _record(self, key: str, bits: int, x: Any, tensors: Any) -> None:
+        """While estimating: ``key``'s quantization spread from what it packed."""
+        if self.stats is not None:
+            record_stats(self.stats, key, bits, x.numel(), tensors, self.group_size)
 
     # ---- iterations and state ---------------------------------------------------------------
 

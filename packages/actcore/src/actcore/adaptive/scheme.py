@@ -43,7 +43,7 @@ from .plan import (
     rank_counts,
     ranked_plans,
 )
-from .recording import Recording
+from .recording import recording
 from .samples import batch_sample_scale, checked_index, write_norms
 from .state import DEFAULT_WINDOW, STATE_FIELDS, check_same_layers, checked_state, layer_state
 from .stats import LayerStats, ema, finite_ema, gradient_coupling, squared_norm
@@ -239,7 +239,7 @@ class AdaptiveBits:
             stats.zero_value = True
             q = Quantize(self._layer_bits(stats, bits), gs, per_sample=False)
             zero_value = ZeroValue(mask, q)
-            return Recording(zero_value, self, stats, n, 0.0) if collect else zero_value
+            return recording(zero_value, self, stats, n, 0.0) if collect else zero_value
         stats.zero_value = False
         elems = float(x[0].numel())
         counts = self._counts(stats, n, bits)
@@ -248,7 +248,7 @@ class AdaptiveBits:
             counts = _merged(tuple((max(b, floor), c) for b, c in counts))
         if len(counts) == 1:  # one width for every sample: nothing to rank
             plain = Quantize(counts[0][0], gs, per_sample=True, stochastic=config.stochastic)
-            return Recording(plain, self, stats, n, elems, scale) if collect else plain
+            return recording(plain, self, stats, n, elems, scale) if collect else plain
         with torch.no_grad():
             weights = sample_range_weights(x, gs)
             if scale is not None:

@@ -20,8 +20,8 @@ the tensor, and ``unbiased`` says whether ``E[unpack(pack(x))] == x``. Both rout
 * :mod:`~actcore.compressors.derived`: :class:`Derived`, rebuilt from other packings;
 * :mod:`~actcore.compressors.swap`: :class:`Swap`, to pinned CPU memory and back
   (:class:`PrefetchQueue`);
-* :mod:`~actcore.compressors.recorded`: :class:`Recorded`, records what it packs for an
-  adaptive policy's estimate.
+* :mod:`~actcore.compressors.tapped`: :class:`Tapped`, hands what it packs to a tap
+  (statistics of adaptive bits and of an adaptive policy's estimate).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from .derived import Derived
 from .mask_bits import MaskBits
 from .per_sample_quantize import PerSampleQuantize, sample_range_weights
 from .quantize import Quantize
-from .recorded import Recorded
 from .scored_per_sample_quantize import ScoredPerSampleQuantize
 from .seeded_quantize import SeededQuantize
 from .swap import PrefetchQueue, Swap
+from .tapped import Tapped
 from .zero_value import ZeroValue
 
 __all__ = [
@@ -47,10 +47,10 @@ __all__ = [
     "PerSampleQuantize",
     "PrefetchQueue",
     "Quantize",
-    "Recorded",
     "ScoredPerSampleQuantize",
     "SeededQuantize",
     "Swap",
+    "Tapped",
     "Tensors",
     "ZeroValue",
     "sample_range_weights",

@@ -1,8 +1,8 @@
 """What one forward under estimation records for the adaptive policies, per saved tensor.
 
 What packs the saved tensors records into a :class:`PassStats` (the saved-tensor hooks of
-:mod:`actcore.saved_tensors.hooks`; on the layer route :class:`actcore.compressors.Recorded`,
-for :mod:`actcore.policy_scheme`); :class:`actcore.policies.AdaptivePolicy` reads it.
+:mod:`actcore.saved_tensors.hooks`; on the layer route a :class:`actcore.compressors.Tapped`
+of :mod:`actcore.policy_scheme`); :class:`actcore.policies.AdaptivePolicy` reads it.
 """
 
 from __future__ import annotations
