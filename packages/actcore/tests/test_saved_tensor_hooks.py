@@ -83,12 +83,12 @@ def test_what_passes_through_and_what_is_packed() -> None:
     assert hooks.pack(buf).tensor is not None
     mask = torch.rand(4096) > 0.5
     hm = hooks.pack(mask)
-    assert hm.stored is not None and sum(t.nbytes for t in hm.stored.tensors) == 4096 // 8
+    assert hm.stored is not None and sum(t.nbytes for t in hm.stored.packing.tensors) == 4096 // 8
     assert torch.equal(hooks.unpack(hm), mask)
     act = torch.randn(32, 64)
     ha = hooks.pack(act)
     assert ha.stored is not None
-    packed_bytes = sum(t.nbytes for t in ha.stored.tensors)
+    packed_bytes = sum(t.nbytes for t in ha.stored.packing.tensors)
     assert packed_bytes < act.nbytes / 8
     back = hooks.unpack(ha)
     assert back.dtype == act.dtype and back.shape == act.shape

@@ -26,7 +26,7 @@ the tensor, and ``unbiased`` says whether ``E[unpack(pack(x))] == x``. Both rout
 
 from __future__ import annotations
 
-from .base import IDENTITY, Compressor, Tensors
+from .base import IDENTITY, Compressor, Packing, Tensors
 from .channel_scaled import ChannelScaled
 from .derived import Derived
 from .mask_bits import MaskBits
@@ -44,6 +44,7 @@ __all__ = [
     "Compressor",
     "Derived",
     "MaskBits",
+    "Packing",
     "PerSampleQuantize",
     "PrefetchQueue",
     "Quantize",

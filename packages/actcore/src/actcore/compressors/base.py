@@ -3,16 +3,17 @@
 A compressor's ``pack(x)`` returns ``(tensors, meta)``: the tensors go through
 ``ctx.save_for_backward`` (so autograd's in-place checks, saved-tensor hooks and memory
 accounting all see them), ``meta`` is small Python data. ``unpack(tensors, meta)`` rebuilds
-the tensor. Both routes (Q-layers and saved-tensor hooks) use the same objects.
+the tensor. Both routes (Q-layers and saved-tensor hooks) use the same objects, and keep
+what one made as a :class:`Packing`: the compressor with its tensors and meta.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["IDENTITY", "Compressor", "Tensors", "Wrapping"]
+__all__ = ["IDENTITY", "Compressor", "Packing", "Tensors", "Wrapping"]
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -38,6 +39,18 @@ class Compressor:
 
 
 IDENTITY = Compressor()
+
+
+class Packing(NamedTuple):
+    """What ``compressor.pack`` made of a tensor, with the compressor that unpacks it."""
+
+    compressor: Compressor
+    tensors: Tensors
+    meta: Any
+
+    def restore(self) -> torch.Tensor:
+        """The tensor, rebuilt."""
+        return self.compressor.unpack(self.tensors, self.meta)
 
 
 class Wrapping(Compressor):

@@ -16,7 +16,16 @@ from typing import Any
 
 import torch
 
-from ..compressors import IDENTITY, Compressor, Derived, Quantize, Swap, Tensors, ZeroValue
+from ..compressors import (
+    IDENTITY,
+    Compressor,
+    Derived,
+    Packing,
+    Quantize,
+    Swap,
+    Tensors,
+    ZeroValue,
+)
 from ..compressors.channel_scaled import scaled
 from ..config import LevelSpec, config
 from ..memory import saved_hooks
@@ -25,7 +34,6 @@ from . import roles
 from .roles import CONV, NARROW_BITS, NORM, role_bits
 
 __all__ = [
-    "Part",
     "choose",
     "derive",
     "derive_from",
@@ -194,7 +202,7 @@ def stash(
     layer: Any,
     items: Sequence[tuple[torch.Tensor | None, str | Compressor]],
     watch: Sequence[torch.Tensor] = (),
-) -> list[Part | None]:
+) -> list[Packing | None]:
     """Pack and save ``items`` (tensor, role or compressor) on ``ctx`` for :func:`unstash`;
     returns each item's packing (None for a None item).
 
@@ -205,17 +213,17 @@ def stash(
     """
     tensors: list[torch.Tensor] = []
     plan: list[tuple[int, Compressor | None, Any]] = []
-    parts: list[Part | None] = []
+    parts: list[Packing | None] = []
     for x, how in items:
         if x is None:
             plan.append((0, None, None))
             parts.append(None)
             continue
         comp = how if isinstance(how, Compressor) else choose(layer, how, x)
-        comp, packed, meta = _pack_once(comp, x)
-        plan.append((len(packed), comp, meta))
-        parts.append((comp, tuple(packed), meta))
-        tensors.extend(packed)
+        part = _pack_once(comp, x)
+        plan.append((len(part.tensors), part.compressor, part.meta))
+        parts.append(part)
+        tensors.extend(part.tensors)
     for t in tensors:  # saved-tensor hooks must keep these as they are: see is_stashed
         _records.setdefault(t)["stashed"] = True
     ctx.save_for_backward(*tensors)
@@ -226,7 +234,7 @@ def stash(
     return parts
 
 
-def derive_output(ctx: Any, fn: Any, parts: Sequence[Part | None], affine: bool = False) -> None:
+def derive_output(ctx: Any, fn: Any, parts: Sequence[Packing | None], affine: bool = False) -> None:
     """In an autograd function's forward: its output is ``fn(*restored parts)`` (None parts
     stand for None arguments; ``affine``: ``fn`` is affine in each part); recorded on the
     output by :func:`note_output` once ``apply`` has returned it."""
@@ -253,7 +261,7 @@ def is_stashed(t: torch.Tensor) -> bool:
     return record is not None and record.get("stashed", False)
 
 
-def _pack_once(comp: Compressor, x: torch.Tensor) -> tuple[Compressor, Tensors, Any]:
+def _pack_once(comp: Compressor, x: torch.Tensor) -> Packing:
     """Pack ``x``, or reuse a packing of the same unchanged tensor that is still held.
 
     A packing with the same compressor key is reused first, else the first lossy packing
@@ -262,8 +270,7 @@ def _pack_once(comp: Compressor, x: torch.Tensor) -> tuple[Compressor, Tensors, 
     earlier one).
     """
     if comp is IDENTITY:
-        tensors, meta = comp.pack(x)
-        return comp, tensors, meta
+        return Packing(comp, *comp.pack(x))
     record = _records.setdefault(x)
     earlier = _live(record.get(comp.key()))
     if earlier is None and comp.lossy:
@@ -274,7 +281,7 @@ def _pack_once(comp: Compressor, x: torch.Tensor) -> tuple[Compressor, Tensors, 
         return earlier
     tensors, meta = comp.pack(x)
     remember_packing(x, comp, tensors, meta, record)
-    return comp, tensors, meta
+    return Packing(comp, tuple(tensors), meta)
 
 
 _FIRST = "first lossy packing"
@@ -282,14 +289,14 @@ _DERIVED = "derived from"
 _KEPT = "kept as it is"
 
 
-def _live(entry: Any) -> tuple[Compressor, Tensors, Any] | None:
+def _live(entry: Any) -> Packing | None:
     if entry is None:
         return None
     comp, refs, meta = entry
     tensors = tuple(ref() for ref in refs)
     if any(t is None for t in tensors):
         return None
-    return comp, tensors, meta
+    return Packing(comp, tensors, meta)
 
 
 def remember_packing(
@@ -309,11 +316,7 @@ def remember_packing(
         record[_FIRST] = entry
 
 
-Part = tuple[Compressor, Tensors, Any]
-"""A packing: the compressor, its tensors, its meta (``comp.unpack(tensors, meta)``)."""
-
-
-def packing_of(x: torch.Tensor) -> Part | None:
+def packing_of(x: torch.Tensor) -> Packing | None:
     """A lossy packing of ``x`` (unchanged since) still held: its own first one, else a
     :class:`~actcore.compressors.Derived` one (``x`` rebuilt from the packings it was made
     from, see :func:`derive`); None if neither."""
@@ -324,7 +327,7 @@ def packing_of(x: torch.Tensor) -> Part | None:
     return found if found is not None else _derived(record)
 
 
-def source_part(x: torch.Tensor) -> Part | None:
+def source_part(x: torch.Tensor) -> Packing | None:
     """How ``x`` can be restored in backward, if it can: a packing of it, or ``x`` itself
     when it is held exact anyway (parameters, buffers, tensors a save kept as they are)."""
     found = packing_of(x)
@@ -332,7 +335,7 @@ def source_part(x: torch.Tensor) -> Part | None:
         return found
     record = _records.get(x)
     if isinstance(x, torch.nn.Parameter) or (record is not None and record.get(_KEPT)):
-        return IDENTITY, (x,), None
+        return Packing(IDENTITY, (x,), None)
     return None
 
 
@@ -341,7 +344,9 @@ def note_kept(x: torch.Tensor) -> None:
     _records.setdefault(x)[_KEPT] = True
 
 
-def derive(out: torch.Tensor, fn: Any, parts: Sequence[Part | None], affine: bool = False) -> None:
+def derive(
+    out: torch.Tensor, fn: Any, parts: Sequence[Packing | None], affine: bool = False
+) -> None:
     """Record that ``out`` is ``fn(*restored parts)`` (a None part is passed as None; parts
     are held weakly: this never extends their life). ``affine``: ``fn`` is affine in each
     part, so the restored ``out`` is unbiased where its parts are (:class:`Derived`).
@@ -364,7 +369,7 @@ def derive(out: torch.Tensor, fn: Any, parts: Sequence[Part | None], affine: boo
 def derive_from(out: torch.Tensor, fn: Any, sources: Sequence[Any], affine: bool = False) -> bool:
     """:func:`derive` ``out = fn(*sources)`` if every tensor source can be restored (non-tensor
     sources are constants); returns whether it could."""
-    parts: list[Part] = []
+    parts: list[Packing] = []
     constants: list[Any] = []
     for src in sources:
         if isinstance(src, torch.Tensor):
@@ -387,7 +392,7 @@ def derive_from(out: torch.Tensor, fn: Any, sources: Sequence[Any], affine: bool
     return True
 
 
-def _derived(record: dict) -> Part | None:
+def _derived(record: dict) -> Packing | None:
     entry = record.get(_DERIVED)
     if entry is None:
         return None
@@ -408,7 +413,7 @@ def _derived(record: dict) -> Part | None:
         metas.append(meta)
         counts.append(len(held))
     derived = Derived(fn, tuple(comps), affine)
-    return derived, tuple(tensors), (tuple(metas), tuple(counts))
+    return Packing(derived, tuple(tensors), (tuple(metas), tuple(counts)))
 
 
 def mask_of(x: torch.Tensor) -> torch.Tensor | None:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ..compressors import Compressor
+from ..compressors import Packing
 
 __all__ = [
     "INPLACE_MSG",
@@ -68,14 +68,13 @@ class Enclosing:
 
 
 class Stored:
-    """Compressed data of one storage region, shared by every handle that saved it."""
+    """The :class:`~actcore.compressors.Packing` of one storage region (and a ReLU output's
+    mask), shared by every handle that saved it."""
 
-    __slots__ = ("__weakref__", "compressor", "enclosed", "mask", "meta", "tensors")
+    __slots__ = ("__weakref__", "enclosed", "mask", "packing")
 
-    def __init__(self, compressor: Compressor, tensors: tuple, meta: Any, mask: Tensor | None):
-        self.compressor = compressor
-        self.tensors = tensors
-        self.meta = meta
+    def __init__(self, packing: Packing, mask: Tensor | None = None):
+        self.packing = packing
         self.mask = mask  # packed nonzero mask of a ReLU output, else None
         # (unpack, what the enclosing pack made of each tensor, of the mask): see enclose
         self.enclosed: tuple[Callable[[Any], Tensor], tuple, Any] | None = None
@@ -86,16 +85,17 @@ class Stored:
         if self.enclosed is not None:
             return
         mask = None if self.mask is None else hooks.pack(self.mask)
-        self.enclosed = (hooks.unpack, tuple(hooks.pack(t) for t in self.tensors), mask)
-        self.tensors, self.mask = (), None
+        values = tuple(hooks.pack(t) for t in self.packing.tensors)
+        self.enclosed = (hooks.unpack, values, mask)
+        self.packing, self.mask = self.packing._replace(tensors=()), None
 
     def restore(self) -> Tensor:
-        tensors, mask = self.tensors, self.mask
+        packing, mask = self.packing, self.mask
         if self.enclosed is not None:
             unpack, values, packed_mask = self.enclosed
-            tensors = tuple(unpack(v) for v in values)
+            packing = packing._replace(tensors=tuple(unpack(v) for v in values))
             mask = None if packed_mask is None else unpack(packed_mask)
-        out = self.compressor.unpack(tensors, self.meta)
+        out = packing.restore()
         if mask is not None:  # the ReLU's zeros exactly, the rest kept positive
             # (read straight from the bits: 10x faster on CPU than where() on the unpacked
             # mask, bitwise the same; Handle.restore runs this under no_grad)

@@ -65,6 +65,7 @@ from ..compressors import (
     ChannelScaled,
     Compressor,
     MaskBits,
+    Packing,
     Quantize,
     SeededQuantize,
     Swap,
@@ -370,17 +371,16 @@ class SavedTensorHooks:
         with torch.no_grad():
             return self._pack_compressed(t, key, bits)
 
-    def _reuse(self, t: Tensor, earlier: tuple, base: Tensor | None = None) -> Handle:
+    def _reuse(self, t: Tensor, earlier: Packing, base: Tensor | None = None) -> Handle:
         """A handle on an earlier packing of ``t`` (or of ``base``, ``t`` being a view of it:
         the restored base is viewed as ``t`` again)."""
-        comp, tensors, meta = earlier
         if base is None:
             h = Handle.packed(t, t.shape, tuple(range(t.dim())))
         else:
             offset = t.storage_offset() - base.storage_offset()
             view = (tuple(t.shape), tuple(t.stride()), offset)
             h = Handle.packed(t, base.shape, tuple(range(base.dim())), view=view)
-        h.stored = Stored(comp, tuple(tensors), meta, None)
+        h.stored = Stored(earlier)
         return h
 
     def _pack_compressed(self, t: Tensor, key: str, bits: int | None) -> Handle:
@@ -431,7 +431,7 @@ class SavedTensorHooks:
                     mask = ops.pack_mask(data != 0)
         with rng.using(self.stream):
             tensors, meta = comp.pack(data)
-        stored = Stored(comp, tuple(tensors), meta, mask)
+        stored = Stored(Packing(comp, tuple(tensors), meta), mask)
         h.stored = stored
         if plain and mask is None and comp.lossy:  # a Q-layer saving t later reuses it
             stash.remember_packing(t, comp, tuple(tensors), meta)
@@ -442,7 +442,7 @@ class SavedTensorHooks:
             self._dedup[dkey] = (h.ref, weakref.ref(stored))
             if len(self._dedup) > self._prune_at:
                 self._prune()
-        memory.note_saved([*stored.tensors, *(() if mask is None else (mask,))])
+        memory.note_saved([*stored.packing.tensors, *(() if mask is None else (mask,))])
         return h
 
     def _channel_scaled(
