@@ -118,6 +118,23 @@ def test_in_place_change_under_enclosing_hooks_still_raises() -> None:
         out.sum().backward()
 
 
+@pytest.mark.parametrize("copies", [False, True])
+def test_in_place_change_of_a_kept_tensor_under_user_hooks_raises(copies: bool) -> None:
+    """A tensor actcore keeps as it is (below ``min_numel``), handed to user hooks that keep
+    the very object (a profiler's) or a copy (``save_on_cpu``), then changed in place:
+    autograd's error at backward either way (one rule), never a silent gradient."""
+    a = torch.randn(8, 8, requires_grad=True)
+    keep = (lambda t: t.clone()) if copies else (lambda t: t)
+    user = torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t)
+    with user, actcore.compress_saved_tensors("G2"):
+        h = a * 2
+        out = h * h  # h: 64 elements, kept as it is
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
 def test_checkpoint_and_actcore_hooks_around_a_converted_model_do_not_warn() -> None:
     """Checkpoint's hooks and actcore's own tracker around a converted model are expected:
     no warning, and checkpointing still recomputes (the same gradients as without it)."""

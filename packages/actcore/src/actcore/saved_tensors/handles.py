@@ -168,17 +168,18 @@ class Handle:
             h.ref = None
         return h
 
-    def enclose(self, hooks: Enclosing) -> None:
+    def enclose(self, hooks: Enclosing, source: Tensor) -> None:
         """Pass what this handle keeps on to enclosing saved-tensor ``hooks`` (a user's,
         ``save_on_cpu``): the kept tensor, else the packing's tensors (once per
-        :class:`Stored`). The in-place check stays: the source is followed weakly."""
+        :class:`Stored`). The in-place check stays: ``source``, the tensor autograd saved,
+        is followed weakly."""
         t = self.tensor
         if t is None:
             if self.stored is not None:
                 self.stored.enclose(hooks)
             return
         try:
-            self.ref = weakref.ref(t)
+            self.ref = weakref.ref(source)
         except TypeError:
             self.ref = None
         self.enclosed = (hooks.unpack, hooks.pack(t))

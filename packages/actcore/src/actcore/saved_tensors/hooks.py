@@ -340,7 +340,7 @@ class SavedTensorHooks:
         h = self.compress(t)
         enclosing = getattr(self._local, "enclosing", None)
         if enclosing is not None and isinstance(h, Handle):
-            h.enclose(enclosing)
+            h.enclose(enclosing, t)
         return h
 
     def compress(self, t: Tensor) -> Handle:
