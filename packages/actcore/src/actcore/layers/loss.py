@@ -38,7 +38,7 @@ __all__ = [
     "LOGIT_BITS",
     "ROW_FUNCS",
     "CrossEntropyFunction",
-    "is_head_output",
+    "is_narrow_head_output",
     "linear_source",
     "mark_loss_head",
     "note_cast",
@@ -183,10 +183,12 @@ def linear_source(logits: torch.Tensor) -> tuple[torch.Tensor, Any, Any, tuple] 
     return x, weight, bias, steps
 
 
-def is_head_output(logits: torch.Tensor) -> bool:
-    """Whether ``logits`` are a Q-layer linear's output (seen through casts and selections
-    of rows), recorded by :func:`note_linear_output`."""
-    return _source_record(logits) is not None
+def is_narrow_head_output(logits: torch.Tensor) -> bool:
+    """Whether ``logits`` are the output of a Q-layer linear narrower than its input (seen
+    through casts and selections of rows; :func:`note_linear_output` holds its input
+    weakly)."""
+    found = _source_record(logits)
+    return found is not None and isinstance(found[0], weakref.ref)
 
 
 def mark_loss_head(logits: torch.Tensor) -> None:

@@ -296,7 +296,7 @@ _CE_OPTIONS = ("weight", "ignore_index", "reduction", "label_smoothing")
 
 
 def _cross_entropy(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
-    from .loss import CrossEntropyFunction, is_head_output, linear_source, mark_loss_head
+    from .loss import CrossEntropyFunction, is_narrow_head_output, linear_source, mark_loss_head
 
     names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction")
     bound = {n: kwargs[n] for n in (*names, "label_smoothing") if n in kwargs}
@@ -314,7 +314,7 @@ def _cross_entropy(router: FunctionalRouter, args: tuple, kwargs: dict) -> Any:
     source = linear_source(x)
     if source is not None:
         mark_loss_head(x)
-    exact = source is None and is_head_output(x)  # a narrow head: its logits kept as they are
+    exact = source is None and is_narrow_head_output(x)  # its logits kept as they are
     return CrossEntropyFunction.apply(x, target, options, source, router.layer, exact)
 
 
