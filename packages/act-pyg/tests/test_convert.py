@@ -413,3 +413,27 @@ def test_gat_gradients_at_L0_are_bitwise_pyg(name, small):
     assert torch.equal(x1.grad, x2.grad)
     for (n, p1), (_, p2) in zip(stock.named_parameters(), conv.named_parameters(), strict=True):
         assert torch.equal(p1.grad, p2.grad), n
+
+
+def test_fewbit_bits_reach_smooth_activation_modules(small):
+    """``fewbit_bits`` opts a GNN's activation modules into FewBit's derivative codes, as
+    ``actcore.convert`` does; the output stays PyG's own, bit for bit."""
+    from actcore import fewbit
+
+    class Net(nn.Module):
+        def __init__(self, features: int) -> None:
+            super().__init__()
+            self.conv1, self.act, self.conv2 = GCNConv(features, 16), nn.ELU(), GCNConv(16, 4)
+
+        def forward(self, x, edge_index):
+            return self.conv2(self.act(self.conv1(x, edge_index)), edge_index)
+
+    torch.manual_seed(0)
+    stock = Net(small.x.shape[1])
+    model = act_pyg.convert(copy.deepcopy(stock), "L3", fewbit_bits=2)
+    assert isinstance(model.act, fewbit.ELU) and model.act.bits == 2
+    assert torch.equal(model(small.x, small.edge_index), stock(small.x, small.edge_index))
+    plain = act_pyg.convert(copy.deepcopy(stock), "L3")
+    assert type(plain.act) is nn.ELU  # opt-in only
+    with pytest.raises(ValueError, match="fewbit_bits"):
+        act_pyg.convert(copy.deepcopy(stock), "L3", fewbit_bits=7)

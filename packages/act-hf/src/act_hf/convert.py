@@ -128,7 +128,7 @@ def convert(
     spec = level_spec(level)
     attention = _check_attention(attention)
     if fewbit_bits is not None:
-        fewbit_bits = check_bits(fewbit_bits, high=FEWBIT_MAX_BITS)
+        fewbit_bits = check_bits(fewbit_bits, "fewbit_bits", high=FEWBIT_MAX_BITS)
     bits = fewbit_bits if fewbit_bits is not None else default_fewbit_bits(spec)
     actcore.convert(model, spec, exclude=exclude, fewbit_bits=bits)
     core = model.act_report

@@ -66,11 +66,13 @@ def convert(
     random_projection: float | None = None,
     attention_bits: int | None = None,
     exclude: Iterable[Exclude] = (),
+    fewbit_bits: int | None = None,
 ) -> nn.Module:
     """Make ``gnn`` keep compressed activations for backward, in place; returns ``gnn``.
 
-    * GCNConv, SAGEConv and GATConv become :class:`QGCNConv`, :class:`QSAGEConv` and
-      :class:`QGATConv` (same object, parameters and ``state_dict`` keys, same output);
+    * GCNConv, SAGEConv, GATConv and GINConv become :class:`QGCNConv`, :class:`QSAGEConv`,
+      :class:`QGATConv` and :class:`QGINConv` (same object, parameters and ``state_dict``
+      keys, same output);
     * Linear, ReLU, Dropout, BatchNorm1d, LayerNorm... become actcore's Q-layers
       (:func:`actcore.convert`), inside other message-passing layers too (GINConv's MLP);
     * everything else the forward saves (other message-passing layers, those whose options
@@ -87,6 +89,10 @@ def convert(
             compress, none at L0).
         exclude: module names (fnmatch patterns), module types or ``(name, module) -> bool``
             predicates to leave alone.
+        fewbit_bits: 1..4 to give smooth activation modules (``nn.ELU``, ``nn.GELU``, ...)
+            a few-bit derivative code instead of their input (FewBit, as
+            :func:`actcore.convert`); None (default) keeps their input at the level's bits,
+            recomputed in backward.
 
     The :class:`ConversionReport` is ``gnn.act_report``. Converting again sets the new
     options.
@@ -125,7 +131,13 @@ def convert(
         module.act_attention_bits = attention_bits
         return target.__name__
 
-    actcore.convert(gnn, spec, exclude=exclude, converters=[convert_message_passing])
+    actcore.convert(
+        gnn,
+        spec,
+        exclude=exclude,
+        converters=[convert_message_passing],
+        fewbit_bits=fewbit_bits,
+    )
     core = gnn.act_report
     report.converted, report.left, report.scope = core.converted, core.left, core.scope
     gnn.act_report = report

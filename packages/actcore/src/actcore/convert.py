@@ -139,7 +139,7 @@ def convert(
     if fewbit_bits is not None:
         from .fewbit.tables import check_bits
 
-        check_bits(fewbit_bits)
+        check_bits(fewbit_bits, "fewbit_bits")
     if spec.expandable_segments:
         from .allocator import enable_expandable_segments
 

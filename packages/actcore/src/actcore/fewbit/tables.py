@@ -63,9 +63,10 @@ SHIPPED_KEYS: tuple[tuple[str, dict[str, Any]], ...] = (
 """(activation, parameters) of the shipped tables."""
 
 
-def check_bits(bits: object) -> int:
-    """``bits`` for a derivative code: :func:`actcore.ops.api.check_bits` in 1..4."""
-    return _check_bits(bits, "bits", MAX_BITS)
+def check_bits(bits: object, name: str = "bits") -> int:
+    """``bits`` for a derivative code: :func:`actcore.ops.api.check_bits` in 1..4 (errors
+    call the value ``name``)."""
+    return _check_bits(bits, name, MAX_BITS)
 
 
 @dataclasses.dataclass(frozen=True)
