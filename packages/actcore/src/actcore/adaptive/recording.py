@@ -5,7 +5,7 @@ then come from the quantizer's own per-group steps (no pass over the tensor of i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -69,6 +69,6 @@ def recording(
     samples: int,
     elems: float,
     scale: torch.Tensor | None = None,
-) -> Any:
+) -> Tapped:
     """``packer``, its packings reported to ``scheme`` (keyed and compared as ``packer``)."""
     return Tapped(packer, RangeTap(packer, scheme, stats, samples, elems, scale))

@@ -228,14 +228,10 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
 
 def _validate(args: argparse.Namespace) -> None:
     from .memory import split_items
-    from .routes import check_levels, route_defaults
+    from .routes import chosen_levels
 
-    levels = (
-        split_items(args.levels)
-        if args.levels is not None
-        else route_defaults(split_items("fp,L2,L3"), args.route)
-    )
-    args.levels = check_levels(levels, args.route)
+    given = None if args.levels is None else split_items(args.levels)
+    args.levels = chosen_levels(given, "fp,L2,L3", args.route)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from torch import nn
 from . import report
 from .memory import AMP_DTYPES, positive_int, resolve_device, split_items
 from .models import build_model, check_model, default_image_size, logits
-from .routes import FP, applied, check_levels, route_defaults
+from .routes import FP, applied, chosen_levels
 
 __all__ = [
     "COLUMNS",
@@ -194,12 +194,8 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
 
 def _validate(args: argparse.Namespace) -> None:
     check_model(args.model)
-    levels = (
-        split_items(args.levels)
-        if args.levels is not None
-        else route_defaults(split_items("fp,L3"), args.route)
-    )
-    args.levels = check_levels(levels, args.route)
+    given = None if args.levels is None else split_items(args.levels)
+    args.levels = chosen_levels(given, "fp,L3", args.route)
 
 
 def main(args: argparse.Namespace) -> int:

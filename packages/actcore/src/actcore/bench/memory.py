@@ -4,8 +4,9 @@ For each level a fresh model (same seed, random weights) runs one tracked forwar
 (:func:`actcore.memory.track` counts what autograd keeps for backward) and backward, then
 ``--steps`` timed training steps (forward + backward), then one step under the profiler
 (its ATen calls, against fp's, and those that synchronise with the host; adaptive levels
-take statistics on every step before their first replan, so these are such a step's). ``fp`` is the plain PyTorch model:
-every ratio is ``fp bytes / level bytes``, and it is measured first whether listed or not.
+take statistics on every step before their first replan, so these are such a step's).
+``fp`` is the plain PyTorch model: every ratio is ``fp bytes / level bytes``, and it is
+measured first whether listed or not.
 """
 
 from __future__ import annotations
@@ -252,14 +253,10 @@ def positive_int(text: str) -> int:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    from .routes import check_levels, route_defaults
+    from .routes import chosen_levels
 
-    levels = (
-        split_items(args.levels)
-        if args.levels is not None
-        else route_defaults(split_items("L0,L1,L2,L3"), args.route)
-    )
-    args.levels = check_levels(levels, args.route)
+    given = None if args.levels is None else split_items(args.levels)
+    args.levels = chosen_levels(given, "L0,L1,L2,L3", args.route)
     from .models import check_model
 
     check_model(args.model)

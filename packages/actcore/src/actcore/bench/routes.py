@@ -18,8 +18,8 @@ __all__ = [
     "RouteUnavailable",
     "applied",
     "check_levels",
+    "chosen_levels",
     "hooks_available",
-    "route_defaults",
     "route_levels",
 ]
 
@@ -101,12 +101,15 @@ def check_levels(levels: list[str], route: str = "layers") -> list[str]:
     return levels
 
 
-def route_defaults(levels: list[str], route: str) -> list[str]:
-    """A command's default ``levels`` (named on the layer route) for ``route``: on the hooks
-    route each ``Lk`` becomes its namesake ``Gk`` (GACT's ``Lk``), ``fp`` stays."""
-    if route != "hooks":
-        return levels
-    return [FP if lv == FP else "G" + lv[1:] for lv in levels]
+def chosen_levels(given: list[str] | None, default: str, route: str) -> list[str]:
+    """The levels a command runs on ``route``: ``given``, else its ``default`` (comma-separated
+    layer-route names; on the hooks route each ``Lk`` becomes its namesake ``Gk``, GACT's
+    ``Lk``), checked by :func:`check_levels`."""
+    if given is None:
+        given = [part.strip() for part in default.split(",")]
+        if route == "hooks":
+            given = [FP if lv == FP else "G" + lv[1:] for lv in given]
+    return check_levels(given, route)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import torch
 from . import report
 from .memory import MemoryConfig, measure_level, positive_int, resolve_device, split_items
 from .models import check_model, default_image_size
-from .routes import check_levels, route_defaults
+from .routes import chosen_levels
 
 __all__ = ["COLUMNS", "SweepConfig", "figure", "main", "plot", "register", "run"]
 
@@ -172,12 +172,8 @@ def _batches(text: str) -> list[int]:
 
 def _validate(args: argparse.Namespace) -> None:
     check_model(args.model)
-    levels = (
-        split_items(args.levels)
-        if args.levels is not None
-        else route_defaults(split_items("fp,L2,L3"), args.route)
-    )
-    args.levels = check_levels(levels, args.route)
+    given = None if args.levels is None else split_items(args.levels)
+    args.levels = chosen_levels(given, "fp,L2,L3", args.route)
     args.batches = _batches(args.batches) if isinstance(args.batches, str) else args.batches
     resolve_device(args.device)
 

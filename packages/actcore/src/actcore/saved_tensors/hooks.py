@@ -237,9 +237,8 @@ class SavedTensorHooks:
             return None
         pack = top[0]
         module = getattr(pack, "__module__", None) or ""
-        if stash.is_checkpoint_hook(pack) or compiled.is_own_graph(pack):
-            return None
-        if module.split(".")[0] == "actcore":
+        ours = compiled.is_own_graph(pack) or module.split(".")[0] == "actcore"
+        if ours or stash.is_checkpoint_hook(pack):
             return None
         return Enclosing(pack, top[1])
 
