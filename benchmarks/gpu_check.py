@@ -12,7 +12,8 @@ ninja), ``tests`` (the GPU-marked tests: bit-exactness, opcheck), ``sync`` (host
 a steady L3 step, under ``torch.cuda.set_sync_debug_mode``), ``kernels`` (quantize and
 dequantize as a share of copy bandwidth), ``ncu`` (Nsight Compute on those kernels, where
 installed), ``resnet`` (ResNet-50, bf16 autocast: step time
-and peak memory for plain, checkpointing, L2, L3, L4 = L3 + swap), ``llama`` (Llama 4x512,
+and peak memory for plain, checkpointing, L2, L3, L3 with its zero-value counts read back
+(the sizing before 2026-11-27, paired), L4 = L3 + swap), ``llama`` (Llama 4x512,
 bf16 autocast: memory kept for backward and step time for sdpa, checkpointing, ACT,
 checkpointing + ACT), ``profile`` (host against kernel time of an L3 step, top ops),
 ``peak-trace`` (where a batch-512 step peaks), ``max-batch-*`` (ResNet-50's largest batch,
@@ -43,12 +44,13 @@ TEST_FILES = [
     "packages/actcore/tests/test_native.py",
     "packages/actcore/tests/test_swap.py",
     "packages/actcore/tests/test_memory.py",
+    "packages/actcore/tests/test_host_syncs.py::test_cuda_steady_step_does_not_synchronise",
 ]
 # (part, cap in seconds on a GPU); the dry run caps every part at 300 s.
 PARTS: list[tuple[str, int]] = [
     ("env", 30),
     ("build", 180),
-    ("tests", 120),
+    ("tests", 180),
     ("sync", 45),
     ("kernels", 45),
     ("ncu", 120),
@@ -281,26 +283,45 @@ def part_tests(dry: bool, out: Path) -> dict[str, Any]:
 
 
 def part_sync(dry: bool, out: Path) -> dict[str, Any]:
-    """Host syncs of one steady L3 step of ResNet-18 (after 3 warm steps)."""
+    """Host syncs of one steady step of ResNet-18, plain and at L3 (warmed past the first
+    replan of adaptive bits, on a step that neither replans nor collects statistics), each
+    counted by site: the last actcore frame, or the last three frames outside it."""
     import torch
     import torchvision
 
     import actcore
 
     device = _device(dry)
-    torch.manual_seed(0)
-    model = actcore.convert(torchvision.models.resnet18(num_classes=10), level="L3").to(device)
     size, batch = (32, 2) if dry else (112, 32)
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
+    result: dict[str, Any] = {}
+    for name, level in (("fp", None), ("L3", "L3")):
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=10)
+        if level is not None:
+            model = actcore.convert(model, level=level)
+        step = _classifier_step(model.to(device), x, y, device)
+        for _ in range(1 if dry else INTERVAL + 1):
+            step()
+        _sync(device)
+        if device.type != "cuda":
+            step()
+            result[name] = {"syncs": None, "note": "CPU dry run: syncs are counted on CUDA"}
+            continue
+        result[name] = _count_syncs(step)
+    if device.type == "cuda":
+        from actcore.compressors import zero_value
 
-    step = _classifier_step(model, x, y, device)
-    for _ in range(3):
-        step()
-    _sync(device)
-    if device.type != "cuda":
-        step()
-        return {"syncs": None, "note": "CPU dry run: the step ran; syncs are counted on CUDA"}
+        _sync(device)
+        result["zero_value_left_unsettled"] = zero_value.settle()
+    result["syncs"] = (result["L3"] or {}).get("syncs")
+    return result
+
+
+def _count_syncs(step: Callable[[], None]) -> dict[str, Any]:
+    import torch
+
     sites: dict[str, int] = {}
     total = 0
 
@@ -309,12 +330,12 @@ def part_sync(dry: bool, out: Path) -> dict[str, Any]:
         if "synchroniz" not in str(message):
             return
         total += 1
-        frames = [f for f in traceback.extract_stack() if "actcore" in f.filename]
-        key = (
-            f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}"
-            if frames
-            else f"(outside actcore) {Path(filename).name}:{lineno}"
-        )
+        stack = traceback.extract_stack()[:-1]
+        ours = [f for f in stack if "actcore" in f.filename]
+        if ours:
+            key = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}"
+        else:
+            key = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in stack[-3:])
         sites[key] = sites.get(key, 0) + 1
 
     with warnings.catch_warnings():
@@ -422,31 +443,10 @@ def part_resnet(dry: bool, out: Path) -> dict[str, Any]:
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 1000, (batch,), device=device)
     rows = []
-    for variant in ("fp", "ckpt", "L2", "L3", "L4"):
-        model = _resnet(variant, device, dry)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-        def step(model: Any = model, opt: Any = opt) -> None:
-            opt.zero_grad(set_to_none=True)
-            with _autocast(device):
-                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-            loss.backward()
-            opt.step()
-
-        for _ in range(2 if not dry else 1):
-            step()
-        opt.zero_grad(set_to_none=True)
-        row = {"variant": variant, "batch": batch, "image_size": size, **_peak(step, device)}
-        row["held_bytes"] = _held(model, x, device)
-        row["step_time_s"] = _median_time(step, device, repeats)
-        # steady state: one whole replan interval (the median above is of steps that all
-        # take adaptive statistics, as every step before the first replan does)
-        row["step_time_interval_s"] = _interval_time(
-            step, device, done=INTERVAL if dry else 3 + repeats, steps=2 if dry else INTERVAL
-        )
-        rows.append(row)
+    for variant in ("fp", "ckpt", "L2", "L3", "L3-readback", "L4"):
+        with _zero_value_readback(variant.endswith("-readback")):
+            _resnet_row(variant, device, dry, x, y, batch, size, repeats, rows)
         _write(out / "part-resnet.partial.json", rows)
-        del model, opt, step
         _free(device)
     fp = rows[0]
     for row in rows:
@@ -457,6 +457,59 @@ def part_resnet(dry: bool, out: Path) -> dict[str, Any]:
         if fp["held_bytes"]:
             row["held_ratio_fp"] = fp["held_bytes"] / row["held_bytes"]
     return {"rows": rows}
+
+
+@contextlib.contextmanager
+def _zero_value_readback(on: bool) -> Any:
+    """With ``on``: zero-value packs read their count back (the sizing before 2026-11-27),
+    for a paired comparison with the padded packs that never wait."""
+    from actcore.compressors import zero_value
+
+    pads = zero_value._pads
+    if on:
+        zero_value._pads = lambda x: False
+    try:
+        yield
+    finally:
+        zero_value._pads = pads
+
+
+def _resnet_row(
+    variant: str,
+    device: Any,
+    dry: bool,
+    x: Any,
+    y: Any,
+    batch: int,
+    size: int,
+    repeats: int,
+    rows: list[dict[str, Any]],
+) -> None:
+    """Measure one variant of ResNet-50 into ``rows``."""
+    import torch
+
+    model = _resnet(variant.removesuffix("-readback"), device, dry)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step(model: Any = model, opt: Any = opt) -> None:
+        opt.zero_grad(set_to_none=True)
+        with _autocast(device):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+
+    for _ in range(2 if not dry else 1):
+        step()
+    opt.zero_grad(set_to_none=True)
+    row = {"variant": variant, "batch": batch, "image_size": size, **_peak(step, device)}
+    row["held_bytes"] = _held(model, x, device)
+    row["step_time_s"] = _median_time(step, device, repeats)
+    # steady state: one whole replan interval (the median above is of steps that all
+    # take adaptive statistics, as every step before the first replan does)
+    row["step_time_interval_s"] = _interval_time(
+        step, device, done=INTERVAL if dry else 3 + repeats, steps=2 if dry else INTERVAL
+    )
+    rows.append(row)
 
 
 def _llama(variant: str, device: Any, dry: bool) -> Any:
@@ -724,6 +777,12 @@ def summary(results: dict[str, Any]) -> list[str]:
     tests = (get("tests") or {}).get("result") or {}
     if "counts" in tests:
         lines.append(f"tests: {tests['counts']}; failed: {len(tests.get('failed', []))}")
+    sync = (get("sync") or {}).get("result") or {}
+    if sync.get("syncs") is not None:
+        fp = (sync.get("fp") or {}).get("syncs")
+        lines.append(
+            f"syncs per steady step: L3 {sync['syncs']}, fp {fp} (target: no more than fp)"
+        )
     kern = (get("kernels") or {}).get("result") or {}
     if kern.get("worst_pct_of_copy") is not None:
         lines.append(f"kernels: worst {kern['worst_pct_of_copy']:.0f}% of copy (target >= 80%)")

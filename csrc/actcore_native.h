@@ -12,7 +12,7 @@
 namespace actcore_native {
 
 // Bumped whenever this interface or the registered ops change; loader.py checks it.
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 
 enum class Scalar : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 
@@ -39,6 +39,10 @@ cudaError_t launch_mask_counts(const uint8_t* mask, int64_t numel, int64_t* coun
 // The set elements of the dense `x` (mask.numel elements), in order, into `values`.
 cudaError_t launch_masked_gather(Scalar dtype, const void* x, const MaskView& mask, void* values,
                                  cudaStream_t stream);
+// values[*count ...] up to the end of the last partial group (at most `numel`) repeat
+// values[*count - 1]; the count is read on the device (nothing waits for it).
+cudaError_t launch_pad_group_tail(Scalar dtype, void* values, const int64_t* count,
+                                  int64_t numel, int64_t group_size, cudaStream_t stream);
 cudaError_t launch_masked_dequantize(Scalar dtype, const MaskedDequantizeArgs& args,
                                      cudaStream_t stream);
 // `numel` elements: x where the mask is set, +0 elsewhere.

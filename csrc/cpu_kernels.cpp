@@ -55,7 +55,7 @@ namespace actcore_cpu {
 namespace {
 
 // Bumped whenever the registered ops or the C entry points change; loader.py checks it.
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 constexpr int64_t kChunk = 1024;           // elements per inner pass (a multiple of 8)
 constexpr int64_t kGrainElements = 1 << 15;  // least work per parallel task
 constexpr uint32_t kMultA = 0x21F0AAADu;
@@ -744,6 +744,7 @@ using actcore_checks::check_hash_index;
 using actcore_checks::check_mask;
 using actcore_checks::check_pack_values;
 using actcore_checks::check_packed_dtypes;
+using actcore_checks::check_packed_capacity;
 using actcore_checks::check_packed_shapes;
 using actcore_checks::check_unpack_payload;
 using actcore_checks::dequantize_args;
@@ -875,6 +876,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_quantize_cpu(const at::Ten
   return {payload, lo, step};
 }
 
+// masked_quantize's outputs in buffers sized for every element of x, zero past them, and
+// the count of set elements as a 0-d int64 tensor (the CUDA kernel's contract; on a CPU
+// nothing waits, so this is the exact op plus the padding).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_quantize_padded_cpu(
+    const at::Tensor& x, const at::Tensor& mask, int64_t bits, int64_t group_size,
+    bool stochastic, int64_t seed) {
+  const auto [exact_payload, exact_lo, exact_step] =
+      masked_quantize_cpu(x, mask, bits, group_size, stochastic, seed);
+  const int64_t numel = x.numel();
+  auto [payload, lo, step] = quantize_outputs(x, 1, numel, group_size, bits);
+  payload.zero_();
+  lo.zero_();
+  step.zero_();
+  payload.narrow(1, 0, exact_payload.size(1)).copy_(exact_payload);
+  lo.narrow(1, 0, exact_lo.size(1)).copy_(exact_lo);
+  step.narrow(1, 0, exact_step.size(1)).copy_(exact_step);
+  int64_t count = 0;
+  if (numel > 0) {
+    const at::Tensor offsets = mask_offsets(mask.contiguous(), numel);
+    count = offsets.const_data_ptr<int64_t>()[actcore_kernels::mask_words(numel)];
+  }
+  at::Tensor count_tensor = at::empty({}, x.options().dtype(at::kLong));
+  count_tensor.mutable_data_ptr<int64_t>()[0] = count;
+  return {payload, lo, step, count_tensor};
+}
+
 at::Tensor masked_dequantize_cpu(const at::Tensor& payload, const at::Tensor& lo,
                                  const at::Tensor& step, const at::Tensor& mask, int64_t bits,
                                  int64_t group_size, at::IntArrayRef shape, at::ScalarType dtype) {
@@ -894,7 +921,7 @@ at::Tensor masked_dequantize_cpu(const at::Tensor& payload, const at::Tensor& lo
   const at::Tensor mc = mask.contiguous();
   const at::Tensor offsets = mask_offsets(mc, numel);
   const int64_t count = offsets.const_data_ptr<int64_t>()[actcore_kernels::mask_words(numel)];
-  if (count > 0) check_packed_shapes(payload, lo, step, 1, count, group_size, bits, op);
+  if (count > 0) check_packed_capacity(payload, lo, step, count, group_size, bits, op);
   const at::Tensor pc = payload.contiguous();
   const at::Tensor lc = lo.contiguous();
   const at::Tensor sc = step.contiguous();
@@ -997,7 +1024,7 @@ at::Tensor hash_uniform_cpu(const at::Tensor& index, int64_t seed) {
 
 actcore_registration::Registration<quantize_cpu, dequantize_cpu, pack_bits_cpu, unpack_bits_cpu,
                                    hash_uniform_cpu, masked_quantize_cpu, masked_dequantize_cpu,
-                                   apply_mask_cpu>
+                                   apply_mask_cpu, masked_quantize_padded_cpu>
     registration{c10::DispatchKey::CPU};
 
 }  // namespace

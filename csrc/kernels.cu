@@ -606,6 +606,25 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// After a gather of `*count` values into a buffer of a larger capacity `numel`: the rest of
+// the last partial group repeats the last value, so that group's range, and so every code of
+// its real values, is what quantizing the `*count` values alone gives. (Later groups hold
+// whatever the buffer held; nothing reads their codes.)
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    pad_group_tail_kernel(scalar_t* __restrict__ values, const int64_t* __restrict__ count,
+                          const int64_t numel, const int64_t group_size) {
+  const int64_t c = *count;
+  if (c == 0) return;
+  const int64_t end = min((c + group_size - 1) / group_size * group_size, numel);
+  const scalar_t last = values[c - 1];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = c + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < end;
+       i += stride) {
+    values[i] = last;
+  }
+}
+
 // One thread per output element: +0 where the mask is clear, else the value of its rank
 // among the set elements, computed as dequantize_kernel computes it.
 template <typename scalar_t>
@@ -761,6 +780,14 @@ cudaError_t masked_gather_typed(const void* x, const MaskView& m, void* values,
 }
 
 template <typename scalar_t>
+cudaError_t pad_group_tail_typed(void* values, const int64_t* count, int64_t numel,
+                                 int64_t group_size, cudaStream_t stream) {
+  pad_group_tail_kernel<scalar_t><<<grid_for(group_size), kThreads, 0, stream>>>(
+      static_cast<scalar_t*>(values), count, numel, group_size);
+  return cudaGetLastError();
+}
+
+template <typename scalar_t>
 cudaError_t masked_dequantize_typed(const MaskedDequantizeArgs& a, cudaStream_t stream) {
   masked_dequantize_kernel<scalar_t><<<grid_for(a.mask.numel), kThreads, 0, stream>>>(a);
   return cudaGetLastError();
@@ -787,6 +814,21 @@ cudaError_t launch_masked_gather(Scalar dtype, const void* x, const MaskView& ma
       return masked_gather_typed<c10::BFloat16>(x, mask, values, stream);
     case Scalar::kFloat64:
       return masked_gather_typed<double>(x, mask, values, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_pad_group_tail(Scalar dtype, void* values, const int64_t* count,
+                                  int64_t numel, int64_t group_size, cudaStream_t stream) {
+  switch (dtype) {
+    case Scalar::kFloat32:
+      return pad_group_tail_typed<float>(values, count, numel, group_size, stream);
+    case Scalar::kFloat16:
+      return pad_group_tail_typed<c10::Half>(values, count, numel, group_size, stream);
+    case Scalar::kBFloat16:
+      return pad_group_tail_typed<c10::BFloat16>(values, count, numel, group_size, stream);
+    case Scalar::kFloat64:
+      return pad_group_tail_typed<double>(values, count, numel, group_size, stream);
   }
   return cudaErrorInvalidValue;
 }

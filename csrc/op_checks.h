@@ -96,6 +96,21 @@ inline void check_packed_shapes(const at::Tensor& payload, const at::Tensor& lo,
   check_2d(step, rows, groups, op, "step");
 }
 
+// One row holding at least `count` values: masked_quantize's exact outputs or the larger
+// ones of masked_quantize_padded (the values past `count` are never read).
+inline void check_packed_capacity(const at::Tensor& payload, const at::Tensor& lo,
+                                  const at::Tensor& step, int64_t count, int64_t group_size,
+                                  int64_t bits, const char* op) {
+  const int64_t groups = (count + group_size - 1) / group_size;
+  const int64_t bytes = (count + 7) / 8 * bits;
+  TORCH_CHECK(payload.dim() == 2 && payload.size(0) == 1 && payload.size(1) >= bytes, op,
+              ": payload has shape ", payload.sizes(), ", expected [1, >= ", bytes, "]");
+  TORCH_CHECK(lo.dim() == 2 && lo.size(0) == 1 && lo.size(1) >= groups, op, ": lo has shape ",
+              lo.sizes(), ", expected [1, >= ", groups, "]");
+  TORCH_CHECK(step.sizes() == lo.sizes(), op, ": step has shape ", step.sizes(),
+              ", expected lo's ", lo.sizes());
+}
+
 // The kernel view of dequantize (`pc`, `lc`, `sc`: contiguous payload, lo, step).
 inline actcore_kernels::DequantizeArgs dequantize_args(const at::Tensor& pc, const at::Tensor& lc,
                                                        const at::Tensor& sc, at::Tensor& out,

@@ -1,4 +1,4 @@
-// Registration of one device's kernels for the eight actcore::* ops, shared by the CPU
+// Registration of one device's kernels for the nine actcore::* ops, shared by the CPU
 // (cpu_kernels.cpp) and CUDA (ops.cpp) libraries: one torch::Library for the dispatch key,
 // made once under a lock, undone if any impl fails; errors come back as a message for the
 // loader's warning instead of an abort.
@@ -17,7 +17,7 @@
 namespace actcore_registration {
 
 template <auto Quantize, auto Dequantize, auto PackBits, auto UnpackBits, auto HashUniform,
-          auto MaskedQuantize, auto MaskedDequantize, auto ApplyMask>
+          auto MaskedQuantize, auto MaskedDequantize, auto ApplyMask, auto MaskedQuantizePadded>
 class Registration {
  public:
   explicit Registration(c10::DispatchKey key) : key_(key) {}
@@ -38,6 +38,7 @@ class Registration {
         lib->impl("masked_quantize", TORCH_FN(MaskedQuantize));
         lib->impl("masked_dequantize", TORCH_FN(MaskedDequantize));
         lib->impl("apply_mask", TORCH_FN(ApplyMask));
+        lib->impl("masked_quantize_padded", TORCH_FN(MaskedQuantizePadded));
         library_ = std::move(lib);  // on an exception, `lib` undoes what it registered
       }
       return 0;

@@ -168,13 +168,9 @@ at::Tensor mask_offsets(const at::Tensor& mc, int64_t numel, cudaStream_t stream
   return at::cumsum(counts, 0);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_quantize_cuda(const at::Tensor& x,
-                                                                    const at::Tensor& mask,
-                                                                    int64_t bits,
-                                                                    int64_t group_size,
-                                                                    bool stochastic,
-                                                                    int64_t seed) {
-  constexpr const char* op = "actcore::masked_quantize";
+// The arguments of masked_quantize(_padded) checked; x's dtype as the kernels name it.
+Scalar check_masked_quantize(const at::Tensor& x, const at::Tensor& mask, int64_t bits,
+                             int64_t group_size, const char* op) {
   check_cuda(x, op, "x");
   check_cuda(mask, op, "mask");
   TORCH_CHECK(mask.device() == x.device(), op, ": x and mask must be on one device, got ",
@@ -182,8 +178,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_quantize_cuda(const at::Te
   const Scalar dtype = scalar_of(x.scalar_type(), op);
   check_bits(bits, op);
   check_group_size(group_size, op);
+  check_mask(mask, x.numel(), op);
+  return dtype;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_quantize_cuda(const at::Tensor& x,
+                                                                    const at::Tensor& mask,
+                                                                    int64_t bits,
+                                                                    int64_t group_size,
+                                                                    bool stochastic,
+                                                                    int64_t seed) {
+  const Scalar dtype =
+      check_masked_quantize(x, mask, bits, group_size, "actcore::masked_quantize");
   const int64_t numel = x.numel();
-  check_mask(mask, numel, op);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device());
   const at::Tensor mc = mask.contiguous();
@@ -200,6 +207,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_quantize_cuda(const at::Te
       quantize_args(values, payload, lo, step, 1, count, group_size, bits, stochastic, seed);
   C10_CUDA_CHECK(launch_quantize(dtype, args, stream));
   return {payload, lo, step};
+}
+
+// masked_quantize without the read back: the outputs are sized for every element of x (a
+// capacity), the count of set elements comes back as a 0-d int64 tensor on the device, and
+// the first values' codes are those masked_quantize makes. Nothing waits for the device.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> masked_quantize_padded_cuda(
+    const at::Tensor& x, const at::Tensor& mask, int64_t bits, int64_t group_size,
+    bool stochastic, int64_t seed) {
+  const Scalar dtype =
+      check_masked_quantize(x, mask, bits, group_size, "actcore::masked_quantize_padded");
+  const int64_t numel = x.numel();
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device());
+  auto [payload, lo, step] = quantize_outputs(x, 1, numel, group_size, bits);
+  if (numel == 0) return {payload, lo, step, at::empty({}, x.options().dtype(at::kLong)).zero_()};
+  const at::Tensor mc = mask.contiguous();
+  const at::Tensor offsets = mask_offsets(mc, numel, stream);
+  // a copy, not a view of the table's last entry: an op's output may not alias a temporary
+  // (opcheck on CUDA refused the view)
+  at::Tensor count = offsets.select(0, offsets.size(0) - 1).clone();
+  const at::Tensor xc = x.contiguous();
+  at::Tensor values = at::empty({numel}, x.options());
+  C10_CUDA_CHECK(launch_masked_gather(dtype, xc.const_data_ptr(), mask_view(mc, offsets, numel),
+                                      values.mutable_data_ptr(), stream));
+  C10_CUDA_CHECK(launch_pad_group_tail(dtype, values.mutable_data_ptr(),
+                                       count.const_data_ptr<int64_t>(), numel, group_size,
+                                       stream));
+  const QuantizeArgs args =
+      quantize_args(values, payload, lo, step, 1, numel, group_size, bits, stochastic, seed);
+  C10_CUDA_CHECK(launch_quantize(dtype, args, stream));
+  return {payload, lo, step, count};
 }
 
 at::Tensor masked_dequantize_cuda(const at::Tensor& payload, const at::Tensor& lo,
@@ -259,7 +297,8 @@ at::Tensor apply_mask_cuda(const at::Tensor& x, const at::Tensor& mask) {
 
 actcore_registration::Registration<quantize_cuda, dequantize_cuda, pack_bits_cuda,
                                    unpack_bits_cuda, hash_uniform_cuda, masked_quantize_cuda,
-                                   masked_dequantize_cuda, apply_mask_cuda>
+                                   masked_dequantize_cuda, apply_mask_cuda,
+                                   masked_quantize_padded_cuda>
     registration{c10::DispatchKey::CUDA};
 
 }  // namespace

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-OPCHECK_CASES = 14
+OPCHECK_CASES = 15
 
 
 def assert_same(native: torch.Tensor, reference: torch.Tensor, what: str) -> None:
@@ -117,6 +117,7 @@ def opcheck_cases(device: str) -> list[tuple[object, tuple]]:
         ),
         (torch.ops.actcore.apply_mask.default, (x, mask)),
         (torch.ops.actcore.apply_mask.default, (x.t().double(), mask)),
+        (torch.ops.actcore.masked_quantize_padded.default, (relu.half(), mask, 3, 24, True, 7)),
     ]
 
 
@@ -147,6 +148,42 @@ def check_errors_are_clear(device: str) -> None:
         torch.ops.actcore.masked_dequantize.default(
             payload, lo, step, short, 2, 8, [4, 8], torch.float32
         )
+
+
+def check_masked_ops(device: str, dtype: torch.dtype) -> None:
+    """masked_quantize, masked_quantize_padded and masked_dequantize on ``device`` against
+    their references on CPU, bit for bit, over :func:`masked_cases`."""
+    from actcore.ops import masked
+
+    for name, x, keep in masked_cases(dtype):
+        mask = torch.ops.actcore.pack_bits(keep.reshape(-1).view(torch.uint8), 1)
+        xd, md = x.to(device), mask.to(device)
+        for bits in (1, 2, 3, 8):
+            for group_size in (8, 24, 256):
+                for stochastic in (True, False):
+                    args = (bits, group_size, stochastic, 11 if stochastic else 0)
+                    what = f"{name} {dtype} bits={bits} G={group_size} stochastic={stochastic}"
+                    ref = masked.masked_quantize_reference(x, mask, *args)
+                    got = torch.ops.actcore.masked_quantize.default(xd, md, *args)
+                    *padded, count = torch.ops.actcore.masked_quantize_padded.default(xd, md, *args)
+                    assert int(count) == int(keep.sum()), what
+                    for a, p, b, part in zip(
+                        got, padded, ref, ("payload", "lo", "step"), strict=True
+                    ):
+                        assert_same(a, b, f"{part} of {what}")
+                        if part == "payload":  # the last byte's bits past the count are free
+                            full = int(count) // 8 * bits
+                            p, b = p[:, :full], b[:, :full]
+                        assert_same(p[:, : b.shape[1]], b, f"padded {part} of {what}")
+                    shape = list(x.shape)
+                    ry = masked.masked_dequantize_reference(
+                        *ref, mask, bits, group_size, shape, dtype
+                    )
+                    for source, kind in ((got, "exact"), (padded, "padded")):
+                        y = torch.ops.actcore.masked_dequantize.default(
+                            *source, md, bits, group_size, shape, dtype
+                        )
+                        assert_same(y, ry, f"masked_dequantize of {what} ({kind})")
 
 
 def masked_cases(dtype: torch.dtype) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

@@ -6,6 +6,7 @@ size an output. Counted with the profiler on CPU, where these ops are the same c
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +48,9 @@ MODELS = {
 }
 
 
+# The CPU tests run with actcore's CPU kernels, as by default (the pure-PyTorch reference of
+# the masked ops finds the nonzeros by boolean indexing, which reads a count back).
+@pytest.mark.usefixtures("native_cpu")
 @pytest.mark.parametrize("name", list(MODELS))
 def test_layer_route_steady_steps_do_not_synchronise(name: str) -> None:
     torch.manual_seed(0)
@@ -64,6 +68,7 @@ def test_layer_route_steady_steps_do_not_synchronise(name: str) -> None:
     assert all(counts[i] for i in replans)  # (the replans read their statistics back)
 
 
+@pytest.mark.usefixtures("native_cpu")
 def test_hooks_route_steady_steps_do_not_synchronise() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -93,3 +98,47 @@ def test_hooks_route_steady_steps_do_not_synchronise() -> None:
     estimated = {i for i, c in enumerate(counts) if c}
     # the auto-precision policy estimates (reading back) on its adapt steps only
     assert len(estimated) <= 1 + STEPS // INTERVAL, counts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_steady_step_does_not_synchronise() -> None:
+    """On CUDA, with actcore's kernels: a steady L3 step (zero-value packing included) makes
+    no synchronising call that plain PyTorch's step does not make too."""
+    import warnings
+
+    from actcore.compressors import zero_value
+    from actcore.native import loader
+
+    torchvision = pytest.importorskip("torchvision")
+    if not loader.load(warn=False):
+        pytest.skip(f"the CUDA kernels did not load: {loader.status()['error']}")
+    x = torch.randn(8, 3, 64, 64, device="cuda")
+    y = torch.randint(0, 10, (8,), device="cuda")
+
+    def syncs(model: nn.Module, warm: int) -> list[str]:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+
+        for _ in range(warm):
+            step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+    torch.manual_seed(0)
+    plain = syncs(torchvision.models.resnet18(num_classes=10).cuda(), 2)
+    model = actcore.convert(torchvision.models.resnet18(num_classes=10), level="L3").cuda()
+    model.act_adaptive.interval = INTERVAL
+    converted = syncs(model, INTERVAL)  # the step after the first replan: a steady one
+    assert len(converted) <= len(plain), (converted, plain)
+    package = str(Path(actcore.__file__).parent)
+    assert not [site for site in converted if site.startswith(package)], converted
+    torch.cuda.synchronize()
+    assert zero_value.settle() == 0  # every count has arrived: nothing left at full size

@@ -33,6 +33,26 @@ def test_masked_quantize_is_quantize_of_the_selected_values(dtype):
     assert torch.all(y[x == 0].view(torch.int8 if dtype == torch.float64 else torch.uint8) == 0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masked_quantize_padded_is_masked_quantize_in_larger_buffers(dtype):
+    x, mask = _relu_and_mask(3, 5, 70)
+    x = x.to(dtype)
+    exact = ops.masked_quantize(x, mask, 3, group_size=32, seed=17)
+    *padded, count = ops.masked_quantize_padded(x, mask, 3, group_size=32, seed=17)
+    assert count.dtype == torch.int64 and count.shape == () and int(count) == (x != 0).sum()
+    assert padded[0].shape == (1, (x.numel() + 7) // 8 * 3)
+    assert padded[1].shape == padded[2].shape == (1, -(-x.numel() // 32))
+    for a, b in zip(exact, padded, strict=True):
+        assert torch.equal(b[:, : a.shape[1]], a) and not b[:, a.shape[1] :].any()
+    back = ops.masked_dequantize(*padded, mask, 3, 32, x.shape, dtype)
+    assert torch.equal(back, ops.masked_dequantize(*exact, mask, 3, 32, x.shape, dtype))
+    # the Python reference (no native kernels) reads the larger buffers too
+    from actcore.ops.masked import masked_dequantize_reference
+
+    ref = masked_dequantize_reference(*padded, mask, 3, 32, list(x.shape), dtype)
+    assert torch.equal(ref, back)
+
+
 def test_masked_ops_on_empty_and_all_zero_tensors():
     for x in (torch.zeros(0, 4), torch.zeros(3, 40)):
         mask = ops.pack_mask(x != 0)
@@ -40,6 +60,9 @@ def test_masked_ops_on_empty_and_all_zero_tensors():
         assert payload.shape == (1, 0) and lo.shape == (1, 0)
         y = ops.masked_dequantize(payload, lo, step, mask, 2, 256, x.shape, x.dtype)
         assert torch.equal(y, x)
+        *padded, count = ops.masked_quantize_padded(x, mask, 2, seed=1)
+        assert int(count) == 0
+        assert torch.equal(ops.masked_dequantize(*padded, mask, 2, 256, x.shape, x.dtype), x)
 
 
 def test_apply_mask_is_where():
@@ -62,6 +85,8 @@ def test_masked_ops_refuse_bad_masks():
         ops.masked_quantize(x, x != 0, 2)
     with pytest.raises(ValueError, match="over 60 elements takes 8 bytes, got 7"):
         ops.masked_quantize(x, mask[:7], 2)
+    with pytest.raises(ValueError, match="masked_quantize_padded: a mask over 60 elements"):
+        ops.masked_quantize_padded(x, mask[:7], 2)
     with pytest.raises(TypeError, match="floating"):
         ops.apply_mask(x.int(), mask)
 
@@ -77,10 +102,11 @@ def _masked_opcheck_cases():
             (payload, lo, step, mask, 2, 16, [3, 70], torch.float32),
         ),
         (torch.ops.actcore.apply_mask.default, (torch.randn(3, 70), mask)),
+        (torch.ops.actcore.masked_quantize_padded.default, (x, mask, 2, 16, True, 4)),
     ]
 
 
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", range(5))
 def test_masked_opcheck(case):
     op, args = _masked_opcheck_cases()[case]
     torch.library.opcheck(op, args)

@@ -23,6 +23,7 @@ from native_cases import (
     assert_same,
     bit_exact_inputs,
     check_errors_are_clear,
+    check_masked_ops,
     opcheck_cases,
 )
 
@@ -301,6 +302,12 @@ def test_masks_round_trip_on_cuda(native):
     packed = ops.pack_mask(mask)
     assert_same(packed, ops.pack_mask(mask.cpu()), "packed mask")
     assert torch.equal(ops.unpack_mask(packed, mask.shape), mask)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masked_ops_are_bit_exact_on_cuda(native, dtype):
+    check_masked_ops("cuda", dtype)
 
 
 @needs_gpu

@@ -24,6 +24,7 @@ from native_cases import (
     assert_same,
     bit_exact_inputs,
     check_errors_are_clear,
+    check_masked_ops,
     masked_cases,
     opcheck_cases,
 )
@@ -157,6 +158,11 @@ def test_masked_ops_are_bit_exact(native_cpu, dtype):
         out = torch.ops.actcore.apply_mask.default(grad, mask)
         assert_same(out, masked.apply_mask_reference(grad, mask), f"apply_mask of {name}")
         assert_same(out, torch.where(keep, grad, 0), f"apply_mask of {name} vs where")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padded_masked_ops_are_bit_exact(native_cpu, dtype):
+    check_masked_ops("cpu", dtype)
 
 
 def test_masked_ops_ignore_the_padding_bits_of_the_mask(native_cpu):

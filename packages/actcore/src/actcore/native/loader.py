@@ -59,6 +59,7 @@ OPS = (
     "masked_quantize",
     "masked_dequantize",
     "apply_mask",
+    "masked_quantize_padded",
 )
 _OFF = {"0", "off", "false", "no"}
 _ON = {"1", "on", "true", "yes"}

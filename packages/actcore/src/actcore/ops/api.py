@@ -19,6 +19,7 @@ __all__ = [
     "hash_uniform",
     "masked_dequantize",
     "masked_quantize",
+    "masked_quantize_padded",
     "new_seed",
     "pack_bits",
     "pack_mask",
@@ -136,6 +137,22 @@ def _check_mask(mask: object, numel: int, what: str) -> torch.Tensor:
     return mask
 
 
+def _masked_args(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    bits: int,
+    group_size: int,
+    stochastic: bool,
+    seed: int | None,
+    what: str,
+) -> tuple[torch.Tensor, torch.Tensor, int, int, bool, int]:
+    """The masked quantize ops' arguments, checked, in the op schema's order."""
+    _check_input(x, what)
+    _check_mask(mask, x.numel(), what)
+    bits, group_size, seed = _check_options(bits, group_size, stochastic, seed)
+    return x.detach(), mask.detach(), bits, group_size, bool(stochastic), seed
+
+
 def masked_quantize(
     x: torch.Tensor,
     mask: torch.Tensor,
@@ -150,11 +167,29 @@ def masked_quantize(
     ``quantize(x.reshape(-1)[m], bits, per_sample=False, ...)`` holds for the unpacked ``m``,
     without searching ``x`` (the mask's bits say where the values are).
     """
-    _check_input(x, "masked_quantize")
-    _check_mask(mask, x.numel(), "masked_quantize")
-    bits, group_size, seed = _check_options(bits, group_size, stochastic, seed)
     return library.masked_quantize(
-        x.detach(), mask.detach(), bits, group_size, bool(stochastic), seed
+        *_masked_args(x, mask, bits, group_size, stochastic, seed, "masked_quantize")
+    )
+
+
+def masked_quantize_padded(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    bits: int,
+    *,
+    group_size: int = 256,
+    stochastic: bool = True,
+    seed: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`masked_quantize` without waiting for the count of selected elements:
+    ``(payload, lo, step, count)``, the buffers sized for every element of ``x`` (the first
+    ``count`` values' part is :func:`masked_quantize`'s; the rest is never read), ``count``
+    a 0-d int64 tensor on ``x``'s device. On CUDA nothing synchronizes with the host; cut
+    the buffers to the count once it is there (``actcore.compressors.zero_value`` does).
+    :func:`masked_dequantize` takes either op's buffers.
+    """
+    return library.masked_quantize_padded(
+        *_masked_args(x, mask, bits, group_size, stochastic, seed, "masked_quantize_padded")
     )
 
 

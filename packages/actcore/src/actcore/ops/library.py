@@ -20,6 +20,7 @@ from .bitpack import pack_bits_reference, packed_nbytes, unpack_bits_reference
 from .masked import (
     apply_mask_reference,
     masked_dequantize_reference,
+    masked_quantize_padded_reference,
     masked_quantize_reference,
 )
 from .noise import uniform_noise
@@ -36,6 +37,7 @@ __all__ = [
     "hash_uniform",
     "masked_dequantize",
     "masked_quantize",
+    "masked_quantize_padded",
     "pack_bits",
     "quantize",
     "unpack_bits",
@@ -143,6 +145,21 @@ def _masked_quantize_fake(x, mask, bits, group_size, stochastic, seed) -> _Tenso
     payload = x.new_empty((1, ctx.new_dynamic_size()), dtype=torch.uint8)
     lo = x.new_empty((1, ctx.new_dynamic_size()), dtype=META_DTYPE)
     return payload, lo, torch.empty_like(lo)
+
+
+@torch.library.custom_op("actcore::masked_quantize_padded", mutates_args=())
+def masked_quantize_padded(
+    x: torch.Tensor, mask: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``masked_quantize`` in buffers sized for all of ``x``, plus the count (0-d int64)."""
+    args = (x, mask, bits, group_size, stochastic, seed)
+    return _dispatch("masked_quantize_padded", x, masked_quantize_padded_reference, *args)
+
+
+@masked_quantize_padded.register_fake
+def _masked_quantize_padded_fake(x, mask, bits, group_size, stochastic, seed):
+    payload, lo, step = _quantize_fake(x, bits, group_size, stochastic, seed, False)
+    return payload, lo, step, x.new_empty((), dtype=torch.int64)
 
 
 @torch.library.custom_op("actcore::masked_dequantize", mutates_args=())

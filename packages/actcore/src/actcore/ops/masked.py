@@ -8,7 +8,11 @@ say what they compute, in the simplest terms:
 * ``masked_quantize(x, mask, ...)`` is ``quantize`` of ``x.reshape(-1)[mask]`` (row-major
   order) as one row (``per_sample=False``): the same payload, ``lo`` and ``step``, the
   rounding noise of each value that of its rank among the selected ones;
-* ``masked_dequantize(...)`` is a tensor of zeros (+0) with those values put back in order;
+* ``masked_quantize_padded(x, mask, ...)`` is the same in buffers sized for every element of
+  ``x`` (zero past the values), plus the count of selected elements as a 0-d int64 tensor:
+  a CUDA kernel makes it without waiting for the count to reach the host;
+* ``masked_dequantize(...)`` is a tensor of zeros (+0) with those values put back in order
+  (from either op's buffers: what lies past the count is never read);
 * ``apply_mask(x, mask)`` is ``torch.where(mask, x, 0)`` (a ReLU's input gradient from its
   mask), contiguous.
 
@@ -23,10 +27,15 @@ from collections.abc import Sequence
 
 import torch
 
-from .bitpack import unpack_bits_reference
+from .bitpack import packed_nbytes, unpack_bits_reference
 from .quantization import dequantize_reference, quantize_reference
 
-__all__ = ["apply_mask_reference", "masked_dequantize_reference", "masked_quantize_reference"]
+__all__ = [
+    "apply_mask_reference",
+    "masked_dequantize_reference",
+    "masked_quantize_padded_reference",
+    "masked_quantize_reference",
+]
 
 
 def _keep(mask: torch.Tensor, numel: int) -> torch.Tensor:
@@ -39,6 +48,22 @@ def masked_quantize_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     values = x.reshape(-1)[_keep(mask, x.numel())]
     return quantize_reference(values, bits, group_size, stochastic, seed, False)
+
+
+def masked_quantize_padded_reference(
+    x: torch.Tensor, mask: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    numel = x.numel()
+    payload, lo, step = masked_quantize_reference(x, mask, bits, group_size, stochastic, seed)
+    padded = []
+    for t, width in ((payload, packed_nbytes(numel, bits)), (lo, -(-numel // group_size))):
+        full = t.new_zeros((1, width))
+        full[:, : t.shape[1]] = t
+        padded.append(full)
+    full_step = torch.zeros_like(padded[1])
+    full_step[:, : step.shape[1]] = step
+    count = _keep(mask, numel).sum() if numel else torch.zeros((), dtype=torch.int64)
+    return padded[0], padded[1], full_step, count.to(device=x.device, dtype=torch.int64)
 
 
 def masked_dequantize_reference(
@@ -54,6 +79,8 @@ def masked_dequantize_reference(
     numel = math.prod(shape)
     keep = _keep(mask, numel)
     count = int(keep.sum())
+    groups = -(-count // group_size)  # masked_quantize_padded's buffers hold more: cut them
+    payload, lo, step = payload[:, : packed_nbytes(count, bits)], lo[:, :groups], step[:, :groups]
     values = dequantize_reference(payload, lo, step, bits, group_size, [count], dtype, False)
     out = torch.zeros(numel, dtype=dtype, device=payload.device)
     out[keep] = values
