@@ -5,7 +5,8 @@ Packages that add Q-layers for other frameworks build on :mod:`actcore.extend`.
 
 from __future__ import annotations
 
-from . import compressors, fewbit, memory, ops, policies, resume, rng
+from . import budget, compressors, fewbit, memory, ops, policies, resume, rng
+from .budget import MemoryPlan, fit_budget
 from .config import LEVELS, Config, LevelSpec, config, set_optimization_level
 from .controller import Controller
 from .convert import ConversionReport, QModule, convert
@@ -22,13 +23,16 @@ __all__ = [
     "Controller",
     "ConversionReport",
     "LevelSpec",
+    "MemoryPlan",
     "QModule",
     "__version__",
+    "budget",
     "compress_saved_tensors",
     "compressors",
     "config",
     "convert",
     "fewbit",
+    "fit_budget",
     "memory",
     "ops",
     "policies",

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import ops
+from ..memory import note_moved, storage_key
 from ..native import loader as _native
 from ..ops.bitpack import packed_nbytes
 from .base import Compressor, Tensors
@@ -79,12 +80,14 @@ def _cut(u: _Unsettled) -> None:
     if payload.shape[1] <= width:
         return
     on_stream = torch.cuda.stream(u.stream) if u.stream is not None else contextlib.nullcontext()
+    before = storage_key(payload)
     with torch.no_grad(), on_stream:
         exact = payload[:, :width].clone()
         # the kept bytes do not change: autograd, which may have saved the payload, must not
         # see the cut as a write
         with torch.autograd.grad_mode._unsafe_preserve_version_counter(payload):
             payload.set_(exact)
+    note_moved(payload, before)  # an active tracker counts the cut storage from now on
 
 
 def settle(*, wait: bool = False) -> int:

@@ -7,15 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from .graph import compiling_now
 from .report import MemoryReport
 from .saved_hooks import ACTIVE_TRACKERS, PROBE
-from .storage import iter_tensors
+from .storage import iter_tensors, storage_of
 from .tracker import Tracker
 
-__all__ = ["measure", "note_outputs", "note_saved", "track"]
+__all__ = ["measure", "note_moved", "note_outputs", "note_saved", "track"]
 
 
 def track(model: nn.Module | None = None, *, include_params: bool = False) -> Tracker:
@@ -46,6 +46,19 @@ def note_saved(obj: Any) -> None:
     for t in iter_tensors(obj):
         for tracker in ACTIVE_TRACKERS:
             tracker._record(t, t)
+
+
+def storage_key(t: Tensor) -> Any:
+    """What :func:`note_moved` takes: ``t``'s storage as the trackers know it."""
+    return storage_of(t)[0]
+
+
+def note_moved(t: Tensor, before: Any) -> None:
+    """Tell active trackers that ``t``, saved for backward, now has another storage (its
+    storage replaced in place, e.g. cut to size); ``before``: :func:`storage_key` of ``t``
+    taken before the change. Does nothing when no tracker is active."""
+    for tracker in list(ACTIVE_TRACKERS):
+        tracker._moved(before, t)
 
 
 def note_outputs(outputs: Any) -> None:

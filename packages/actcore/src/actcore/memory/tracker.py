@@ -245,6 +245,17 @@ class Tracker:
         self._current += nbytes
         self._peak = max(self._peak, self._current)
 
+    def _moved(self, old_key: Any, t: Tensor) -> None:
+        """``t``, counted under ``old_key``, now has another storage (cut to size in place)."""
+        entry = self._by_key.pop(old_key, None)
+        if entry is None:
+            return
+        key, nbytes = storage_of(t)
+        if entry.live > 0:
+            self._current += nbytes - entry.nbytes
+        entry.nbytes = nbytes
+        self._by_key[key] = entry
+
     def _record_ctx(self, node: Any, owner: str) -> None:
         """Record the tensors a custom Function keeps as ``ctx`` attributes."""
         for value in list(vars(node).values()):
