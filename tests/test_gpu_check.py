@@ -51,7 +51,7 @@ def test_dry_run_results_have_the_committed_format(dry_run) -> None:
     parts = {name: part["result"] for name, part in results["parts"].items()}
     assert parts["env"]["torch"] and parts["env"]["date"]
     resnet = parts["resnet"]["rows"]
-    assert [r["variant"] for r in resnet] == ["fp", "ckpt", "L2", "L3", "L4"]
+    assert [r["variant"] for r in resnet] == ["fp", "ckpt", "L2", "L3", "L3-readback", "L4"]
     assert all(r["step_time_s"] > 0 and r["step_time_interval_s"] > 0 for r in resnet)
     assert resnet[0]["step_vs_fp"] == 1.0 and resnet[0]["interval_step_vs_fp"] == 1.0
     llama = parts["llama"]["rows"]
@@ -69,7 +69,9 @@ def test_dry_run_results_have_the_committed_format(dry_run) -> None:
         assert parts[f"max-batch-{variant}"]["max_batch"] == 4
     assert parts["profile"]["L3"]["ops"] > parts["profile"]["fp"]["ops"] > 0
     lines = text.splitlines()
-    assert len([line for line in lines if line.startswith("resnet50 ")]) == 5
+    assert len([line for line in lines if line.startswith("resnet50 ")]) == 6
+    sync = parts["sync"]  # counted on CUDA only; the dry run steps both models
+    assert set(sync) >= {"fp", "L3", "syncs"} and sync["syncs"] is None
     assert "max batch: fp 4, ckpt 4, L3 4" in text
 
 
