@@ -141,3 +141,24 @@ def test_bad_budget_sizes_are_refused_saying_what_is_allowed(size):
         parse_bytes(size)
     with pytest.raises(TypeError, match="memory size"):
         parse_bytes(True)
+
+
+def test_the_plan_resumes_with_the_model_and_a_wrong_one_is_refused():
+    x = _x()
+    model = _net()
+    plan = fit_budget(model, x, int(0.4 * fit_budget(_net(), x, 10**9).exact_bytes))
+    state = actcore.resume.state_dict(model)
+    assert state["memory_plan"]["levels"] == dict(plan.levels)
+    fresh = actcore.convert(_net(), level="L0")
+    actcore.resume.load_state_dict(fresh, state)
+    assert {n: m.act_level for n, m in fresh.named_modules() if isinstance(m, QLayer)} == dict(
+        plan.levels
+    )
+    assert _kept(fresh, x) == plan.kept_bytes
+    other = actcore.convert(nn.Sequential(nn.Linear(3, 4)), level="L0")
+    before = [m.act_level for m in other.modules() if isinstance(m, QLayer)]
+    with pytest.raises(ValueError, match="no Q-layer of that name"):
+        actcore.resume.load_state_dict(other, state)
+    assert [m.act_level for m in other.modules() if isinstance(m, QLayer)] == before
+    actcore.convert(model, level="L0")  # converting again drops the plan
+    assert "memory_plan" not in actcore.resume.state_dict(model)

@@ -21,7 +21,7 @@ little more or less than the plan measured.
 
 This is the first slice of the budget planner: Q-layer levels only (recompute, offload and
 per-tensor choices are not planned yet), ordered by bytes saved (no gradient-error model
-yet), the plan not yet in ``state_dict``.
+yet). The plan stays on the model and :mod:`actcore.resume` saves and restores it.
 """
 
 from __future__ import annotations
@@ -85,10 +85,48 @@ class MemoryPlan:
     smallest_bytes: int  # ... with every Q-layer at the coarsest one
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Set each planned Q-layer of ``model`` to its level; returns ``model``."""
+        """Set each planned Q-layer of ``model`` to its level (and keep the plan on it, for
+        :mod:`actcore.resume`); returns ``model``."""
+        self.check(model)
         for name, level in self.levels.items():
             model.get_submodule(name).act_level = level
+        model.__dict__["act_memory_plan"] = self
         return model
+
+    def check(self, model: nn.Module) -> None:
+        """ValueError unless every planned name is a Q-layer of ``model`` and every level is
+        one of :data:`actcore.config.LEVELS`."""
+        for name, level in self.levels.items():
+            level_spec(level)  # ValueError naming an unknown level
+            try:
+                layer = model.get_submodule(name)
+            except AttributeError:
+                layer = None
+            if not isinstance(layer, QLayer):
+                raise ValueError(
+                    f"the memory plan sets {name!r} to {level}, but {type(model).__name__} has "
+                    "no Q-layer of that name: load it into the model it was made for, "
+                    "converted the same way"
+                )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plan as plain data (:func:`actcore.resume.state_dict` saves it)."""
+        return {
+            "budget": self.budget,
+            "levels": dict(self.levels),
+            "kept_bytes": self.kept_bytes,
+            "exact_bytes": self.exact_bytes,
+            "smallest_bytes": self.smallest_bytes,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> MemoryPlan:
+        """The plan :meth:`state_dict` saved (KeyError naming a missing field)."""
+        fields = ("budget", "levels", "kept_bytes", "exact_bytes", "smallest_bytes")
+        missing = [f for f in fields if f not in state]
+        if missing:
+            raise KeyError(f"a saved memory plan lacks {missing}; it has {sorted(state)}")
+        return cls(**{f: state[f] for f in fields})
 
     def __str__(self) -> str:
         counts: dict[str, int] = {}

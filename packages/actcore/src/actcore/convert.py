@@ -167,6 +167,7 @@ def convert(
     else:
         attach_scope(model, spec, fewbit_bits=fewbit_bits, excluded=list(done.excluded.values()))
     report.scope = None if layers_only else repr(getattr(model, "act_scope", None))
+    model.__dict__.pop("act_memory_plan", None)  # every Q-layer at `level` again: no plan
     model.act_report = report
     log.info("%s", report)
     return model

@@ -9,7 +9,8 @@
     actcore.resume.load_state_dict(model, ckpt["act"])
 
 The state holds the model's stream of rounding seeds (``act_rng``), its adaptive-bits plan
-and statistics (``act_adaptive``, levels L3 and up) and its policy (``act_policy``), where
+and statistics (``act_adaptive``, levels L3 and up), its policy (``act_policy``) and the
+memory plan :func:`actcore.fit_budget` set (``act_memory_plan``: each Q-layer's level), where
 present. Loading checks every part before changing any. (The hooks route: a
 :class:`actcore.Controller`'s own ``state_dict`` holds the same.)
 """
@@ -21,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from .adaptive import AdaptiveBits
+from .budget import MemoryPlan
 from .rng import SeedStream
 
 __all__ = ["load_state_dict", "state_dict"]
@@ -38,6 +40,9 @@ def state_dict(model: nn.Module) -> dict[str, Any]:
     policy = getattr(model, "act_policy", None)
     if policy is not None:
         state["policy"] = policy.state_dict()
+    plan = model.__dict__.get("act_memory_plan")
+    if isinstance(plan, MemoryPlan):
+        state["memory_plan"] = plan.state_dict()
     return state
 
 
@@ -49,6 +54,7 @@ def load_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
         "rng": model.__dict__.get("act_rng"),
         "adaptive": getattr(model, "act_adaptive", None),
         "policy": getattr(model, "act_policy", None),
+        "memory_plan": model,  # any converted model can take a plan of its Q-layers' levels
     }
     for key in state:
         if key not in parts:
@@ -62,8 +68,13 @@ def load_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
         SeedStream(0).load_state_dict(state["rng"])  # check only
     if "adaptive" in state:
         parts["adaptive"].check_state(state["adaptive"])  # check only
+    plan = MemoryPlan.from_state_dict(state["memory_plan"]) if "memory_plan" in state else None
+    if plan is not None:
+        plan.check(model)  # check only
     if "policy" in state:
         parts["policy"].load_state_dict(state["policy"])  # checks all, then changes
+    if plan is not None:
+        plan.apply(model)
     if "adaptive" in state:
         parts["adaptive"].load_state_dict(state["adaptive"])
     if "rng" in state:
