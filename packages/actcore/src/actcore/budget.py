@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from .config import level_spec
+from .convert import convert
 from .layers.base import QLayer
 from .memory import format_bytes, track
 
@@ -135,8 +136,8 @@ class MemoryPlan:
         spread = ", ".join(f"{n} at {level}" for level, n in sorted(counts.items()))
         return (
             f"MemoryPlan: keeps {format_bytes(self.kept_bytes)} for a budget of "
-            f"{format_bytes(self.budget)} (exact {format_bytes(self.exact_bytes)}, at most "
-            f"{format_bytes(self.smallest_bytes)} reachable); {spread}"
+            f"{format_bytes(self.budget)} (exact {format_bytes(self.exact_bytes)}, smallest "
+            f"reachable {format_bytes(self.smallest_bytes)}); {spread}"
         )
 
 
@@ -155,7 +156,7 @@ def _preserved(model: nn.Module) -> Iterator[None]:
     """Undo what forwards do besides computing: buffer updates (batch-norm statistics) and
     draws from torch's generators (dropout)."""
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    devices = [d for d in range(torch.cuda.device_count())] if torch.cuda.is_initialized() else []
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         try:
             yield
@@ -196,8 +197,6 @@ def fit_budget(
     names = [spec.name for spec in specs]
     report = getattr(model, "act_report", None)
     if report is None:
-        from .convert import convert
-
         convert(model, level=names[0])
     elif report.level != names[0]:
         raise ValueError(
