@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compressors.zero_value import settle
 from .config import level_spec
 from .convert import convert
 from .layers.base import QLayer
@@ -216,6 +217,7 @@ def fit_budget(
         torch.manual_seed(0)  # every configuration measured on the same dropout draw
         with track(model) as report:
             out = forward(model)
+            settle(wait=True)  # CUDA: zero-value payloads at their exact size, as in training
         del out
         return report.retained_bytes, dict(report.by_module)
 
