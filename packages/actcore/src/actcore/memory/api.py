@@ -15,7 +15,7 @@ from .saved_hooks import ACTIVE_TRACKERS, PROBE
 from .storage import iter_tensors, storage_of
 from .tracker import Tracker
 
-__all__ = ["measure", "note_moved", "note_outputs", "note_saved", "track"]
+__all__ = ["measure", "note_moved", "note_outputs", "note_saved", "storage_key", "track"]
 
 
 def track(model: nn.Module | None = None, *, include_params: bool = False) -> Tracker:

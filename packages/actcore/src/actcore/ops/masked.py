@@ -55,15 +55,14 @@ def masked_quantize_padded_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     numel = x.numel()
     payload, lo, step = masked_quantize_reference(x, mask, bits, group_size, stochastic, seed)
-    padded = []
-    for t, width in ((payload, packed_nbytes(numel, bits)), (lo, -(-numel // group_size))):
-        full = t.new_zeros((1, width))
-        full[:, : t.shape[1]] = t
-        padded.append(full)
-    full_step = torch.zeros_like(padded[1])
-    full_step[:, : step.shape[1]] = step
+    groups = -(-numel // group_size)
+    widths = (packed_nbytes(numel, bits), groups, groups)
+    padded = [
+        torch.nn.functional.pad(t, (0, w - t.shape[1]))
+        for t, w in zip((payload, lo, step), widths, strict=True)
+    ]
     count = _keep(mask, numel).sum() if numel else torch.zeros((), dtype=torch.int64)
-    return padded[0], padded[1], full_step, count.to(device=x.device, dtype=torch.int64)
+    return (*padded, count.to(device=x.device, dtype=torch.int64))
 
 
 def masked_dequantize_reference(
