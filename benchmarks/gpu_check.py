@@ -372,6 +372,14 @@ NCU_SECTIONS = (
     "MemoryWorkloadAnalysis",
 )
 NCU_KERNELS = "regex:quantize_kernel|dequantize_kernel"
+NCU_PIPES = ",".join(
+    (
+        r"regex:sm__inst_executed_pipe_[a-z0-9_]+\.avg\.pct_of_peak_sustained_active",
+        r"regex:smsp__average_warps_issue_stalled_[a-z_]+_per_issue_active\.ratio",
+        "smsp__inst_executed.sum",
+        "sm__cycles_elapsed.avg",
+    )
+)
 _NCU_SCRIPT = """
 import torch
 from actcore import ops
@@ -411,8 +419,31 @@ def part_ncu(dry: bool, out: Path) -> dict[str, Any]:
         kernels.setdefault(key, {})[row.get("Metric Name", "?")] = (
             f"{row.get('Metric Value')} {unit}".strip()
         )
+    # where the cycles go: each pipe's share of its peak, and the stall reasons per issue
+    pipes = subprocess.run(
+        [
+            *cmd[:6],
+            "--metrics",
+            NCU_PIPES,
+            sys.executable,
+            "-c",
+            _NCU_SCRIPT,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=110,
+    )
+    head = pipes.stdout.find('"ID"')
+    for row in csv.DictReader(io.StringIO(pipes.stdout[head:])) if head >= 0 else []:
+        key = f"{row.get('ID')} {row.get('Kernel Name', '')[:60]}"
+        value = row.get("Metric Value")
+        if value not in (None, "", "0", "0.00"):
+            kernels.setdefault(key, {})[row.get("Metric Name", "?")] = value
     return {
         "returncode": done.returncode,
+        "pipes_returncode": pipes.returncode,
+        "pipes_tail": pipes.stderr[-800:],
         "kernels": kernels,
         "output_tail": (done.stdout[-1500:] if not kernels else "") + done.stderr[-1500:],
         "part_ok": done.returncode == 0 and bool(kernels),
