@@ -237,7 +237,7 @@ def test_quantize_and_dequantize_are_bit_exact(native, dtype):
     seed = 0x5EED_1234_5678
     for name, x in bit_exact_inputs(dtype):
         for bits in range(1, 9):
-            for group_size in (8, 24, 64, 256, 512):
+            for group_size in (8, 24, 64, 256, 512, 2048):  # 2048: blocks past registers
                 for stochastic, per_sample in ((True, True), (False, True), (True, False)):
                     what = f"{name} {tuple(x.shape)} {dtype} bits={bits} G={group_size} "
                     what += f"stochastic={stochastic} per_sample={per_sample}"

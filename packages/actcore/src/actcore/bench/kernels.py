@@ -1,9 +1,9 @@
 """``actcore bench kernels`` (CUDA): bandwidth of ``ops.quantize`` / ``ops.dequantize``.
 
 Each op's bandwidth is the bytes it must read and write (full-precision tensor plus the
-packed payload and per-group metadata, ``Packed.nbytes``) over its median time (CUDA
-events), shown as GB/s and as a percentage of the device copy bandwidth measured here
-(``y.copy_(x)``, 2 x the tensor's bytes moved).
+packed payload and per-group metadata, ``Packed.nbytes``) over its median time per call
+(CUDA events around 8 calls launched back to back), shown as GB/s and as a percentage of
+the device copy bandwidth measured here (``y.copy_(x)``, 2 x the tensor's bytes moved).
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ class KernelConfig:
     device: str = "cuda"
 
 
-def time_cuda(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
-    """Median seconds of ``fn()`` on the current CUDA stream."""
+def time_cuda(fn: Callable[[], Any], iters: int, warmup: int = 3, batch: int = 8) -> float:
+    """Median seconds per ``fn()`` on the current CUDA stream, over ``iters`` timings of
+    ``batch`` calls launched back to back: the device time of the kernels, not the host's
+    time to launch one call (for a single call between two events, a kernel shorter than
+    the Python front end would be timed at the front end's speed)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -48,10 +51,11 @@ def time_cuda(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(batch):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / batch)
     return statistics.median(times)
 
 
