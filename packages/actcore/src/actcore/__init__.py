@@ -6,7 +6,7 @@ Packages that add Q-layers for other frameworks build on :mod:`actcore.extend`.
 from __future__ import annotations
 
 from . import budget, compressors, fewbit, memory, ops, policies, resume, rng
-from .budget import MemoryPlan, fit_budget
+from .budget import MemoryPlan, fit_budget, max_batch, max_seq
 from .config import LEVELS, Config, LevelSpec, config, set_optimization_level
 from .controller import Controller
 from .convert import ConversionReport, QModule, convert
@@ -33,6 +33,8 @@ __all__ = [
     "convert",
     "fewbit",
     "fit_budget",
+    "max_batch",
+    "max_seq",
     "memory",
     "ops",
     "policies",

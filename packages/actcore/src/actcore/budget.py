@@ -19,6 +19,9 @@ statistics) and torch's random state are restored after them. What a zero-value 
 keeps depends on the data (a ReLU output's nonzeros): other inputs or dropout draws keep a
 little more or less than the plan measured.
 
+:func:`max_batch` and :func:`max_seq` find the largest batch or sequence length whose
+activations fit a budget at the coarsest level (doubling, then a bisection), and plan it.
+
 This is the first slice of the budget planner: Q-layer levels only (recompute, offload and
 per-tensor choices are not planned yet), ordered by bytes saved (no gradient-error model
 yet). The plan stays on the model and :mod:`actcore.resume` saves and restores it.
@@ -42,7 +45,7 @@ from .convert import convert
 from .layers.base import QLayer
 from .memory import format_bytes, track
 
-__all__ = ["MemoryPlan", "fit_budget", "parse_bytes"]
+__all__ = ["MemoryPlan", "default_budget", "fit_budget", "max_batch", "max_seq", "parse_bytes"]
 
 _UNITS = {
     "": 1,
@@ -192,34 +195,12 @@ def fit_budget(
     ``budget``, naming the smallest budget that fits.
     """
     budget_bytes = parse_bytes(budget)
-    specs = [level_spec(level) for level in levels]  # ValueError naming an unknown level
-    if not specs:
-        raise ValueError("fit_budget needs at least one candidate level")
-    names = [spec.name for spec in specs]
-    report = getattr(model, "act_report", None)
-    if report is None:
-        convert(model, level=names[0])
-    elif report.level != names[0]:
-        raise ValueError(
-            f"fit_budget plans a model converted at its finest level {names[0]!r}; this one "
-            f"was converted at {report.level!r}, which also compresses what the Q-layers "
-            f"keep exact: actcore.convert(model, level={names[0]!r}) first"
-        )
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, QLayer)}
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no layer actcore can convert to plan")
+    names, layers = _planned_layers(model, levels)
     forward = _forward_of(example_inputs)
     before = {n: m.act_spec for n, m in layers.items()}
 
     def kept(config: Mapping[str, str]) -> tuple[int, dict[str, int]]:
-        for n, m in layers.items():
-            m.act_level = config[n]
-        torch.manual_seed(0)  # every configuration measured on the same dropout draw
-        with track(model) as report:
-            out = forward(model)
-            settle(wait=True)  # CUDA: zero-value payloads at their exact size, as in training
-        del out
-        return report.retained_bytes, dict(report.by_module)
+        return _measure(model, layers, forward, config)
 
     done = False
     try:
@@ -232,6 +213,174 @@ def fit_budget(
                 m.act_spec = before[n]
     plan.apply(model)
     return plan
+
+
+def _planned_layers(model: nn.Module, levels: Sequence[str]) -> tuple[list[str], dict[str, QLayer]]:
+    """The candidate level names (checked) and the Q-layers of ``model``, converted at the
+    finest level first where it is not converted yet."""
+    specs = [level_spec(level) for level in levels]  # ValueError naming an unknown level
+    if not specs:
+        raise ValueError("a memory plan needs at least one candidate level")
+    names = [spec.name for spec in specs]
+    report = getattr(model, "act_report", None)
+    if report is None:
+        convert(model, level=names[0])
+    elif report.level != names[0]:
+        raise ValueError(
+            f"a memory plan is made for a model converted at its finest level {names[0]!r}; "
+            f"this one was converted at {report.level!r}, which also compresses what the "
+            f"Q-layers keep exact: actcore.convert(model, level={names[0]!r}) first"
+        )
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QLayer)}
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no layer actcore can convert to plan")
+    return names, layers
+
+
+def _measure(
+    model: nn.Module,
+    layers: Mapping[str, QLayer],
+    forward: Callable[[nn.Module], Any],
+    config: Mapping[str, str],
+) -> tuple[int, dict[str, int]]:
+    """Bytes one forward keeps for backward with each Q-layer at ``config``'s level, in all
+    and by module (the Q-layers are left at those levels)."""
+    for n, m in layers.items():
+        m.act_level = config[n]
+    torch.manual_seed(0)  # every configuration measured on the same dropout draw
+    with track(model) as report:
+        out = forward(model)
+        settle(wait=True)  # CUDA: zero-value payloads at their exact size, as in training
+    del out
+    return report.retained_bytes, dict(report.by_module)
+
+
+def default_budget(model: nn.Module) -> int:
+    """The bytes a CUDA model's activations may take: the device's free memory, less the
+    gradients its trainable parameters do not hold yet. Optimizer state counts only once it
+    exists (after the first step), so plan after one step, or give the budget. ValueError
+    for a model that is not on a CUDA device."""
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    if device.type != "cuda":
+        raise ValueError(
+            f"the default budget is the free memory of the model's CUDA device, and this "
+            f"model is on {device}: give a budget, such as budget='2GiB'"
+        )
+    free, _ = torch.cuda.mem_get_info(device)
+    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
+    if free <= grads:
+        raise ValueError(
+            f"{device} has {format_bytes(free)} free, less than the "
+            f"{format_bytes(grads)} its parameters' gradients will take"
+        )
+    return free - grads
+
+
+def max_batch(
+    model: nn.Module,
+    make_inputs: Callable[[int], Any],
+    budget: int | float | str | None = None,
+    *,
+    levels: Sequence[str] = ("L0", "L1", "L2", "L3"),
+    start: int | None = None,
+    limit: int = 2**20,
+    multiple_of: int = 1,
+) -> tuple[int, MemoryPlan]:
+    """The largest batch whose activations fit ``budget`` at some plan, and that plan (set
+    on ``model``, as :func:`fit_budget` sets it).
+
+    ``make_inputs(batch)`` returns the example inputs of a batch of that size (a tensor, a
+    tuple of positional arguments, a dict of keyword arguments, or a callable
+    ``forward(model)``). A size fits when a forward of its inputs, every Q-layer at the
+    coarsest of ``levels``, keeps at most ``budget`` bytes; sizes grow by doubling from
+    ``start`` (default ``multiple_of``) until one does not fit (or ``limit``), then a
+    bisection finds the last that does, in steps of ``multiple_of``. The plan for that size is :func:`fit_budget`'s: the
+    finest levels that fit. ``budget``: bytes or a string such as ``"6GiB"``; ``None``,
+    :func:`default_budget` (a CUDA model). What the budget bounds is what the forward keeps
+    for backward, as :func:`fit_budget` measures it, not the step's transient peak.
+
+    Raises ValueError when even ``start`` does not fit, naming what it keeps.
+    """
+    return _largest(model, make_inputs, budget, levels, start, limit, multiple_of, "batch")
+
+
+def max_seq(
+    model: nn.Module,
+    make_inputs: Callable[[int], Any],
+    budget: int | float | str | None = None,
+    *,
+    levels: Sequence[str] = ("L0", "L1", "L2", "L3"),
+    start: int | None = None,
+    limit: int = 2**20,
+    multiple_of: int = 1,
+) -> tuple[int, MemoryPlan]:
+    """:func:`max_batch` for a sequence length: ``make_inputs(length)`` returns the example
+    inputs of that length (``multiple_of``: e.g. 64 for kernels that want aligned
+    lengths)."""
+    return _largest(model, make_inputs, budget, levels, start, limit, multiple_of, "sequence")
+
+
+def _largest(
+    model: nn.Module,
+    make_inputs: Callable[[int], Any],
+    budget: int | float | str | None,
+    levels: Sequence[str],
+    start: int | None,
+    limit: int,
+    multiple_of: int,
+    what: str,
+) -> tuple[int, MemoryPlan]:
+    if start is None:
+        start = multiple_of if isinstance(multiple_of, int) else 1
+    for name, value in (("start", start), ("limit", limit), ("multiple_of", multiple_of)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if start % multiple_of or limit < start:
+        raise ValueError(
+            f"start ({start}) must be a multiple of multiple_of ({multiple_of}) and at most "
+            f"limit ({limit})"
+        )
+    budget_bytes = default_budget(model) if budget is None else parse_bytes(budget)
+    names, layers = _planned_layers(model, levels)
+    coarsest = dict.fromkeys(layers, names[-1])
+    before = {n: m.act_spec for n, m in layers.items()}
+    measured: dict[int, int] = {}
+
+    def fits(size: int) -> bool:
+        if size not in measured:
+            measured[size] = _measure(model, layers, _forward_of(make_inputs(size)), coarsest)[0]
+        return measured[size] <= budget_bytes
+
+    try:
+        with _preserved(model):
+            if not fits(start):
+                raise ValueError(
+                    f"no {what} fits a budget of {format_bytes(budget_bytes)}: a {what} of "
+                    f"{start} keeps {format_bytes(measured[start])} with every Q-layer at "
+                    f"{names[-1]}"
+                )
+            good, bad = start, None  # good fits; bad (once found) does not
+            while bad is None and good < limit:
+                step = min(limit, good * 2) // multiple_of * multiple_of
+                if step <= good:
+                    break
+                if fits(step):
+                    good = step
+                else:
+                    bad = step
+            while bad is not None and bad - good > multiple_of:
+                mid = (good + bad) // 2 // multiple_of * multiple_of
+                if mid <= good:
+                    break
+                if fits(mid):
+                    good = mid
+                else:
+                    bad = mid
+    finally:
+        for n, m in layers.items():
+            m.act_spec = before[n]
+    return good, fit_budget(model, make_inputs(good), budget_bytes, levels=names)
 
 
 def _search(
