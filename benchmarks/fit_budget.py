@@ -1,5 +1,7 @@
 """actcore.fit_budget over a sweep of budgets: what each plan keeps (ACT's tracker and the
-profiler), how much of the budget it uses, its levels, and the planning time.
+profiler, less the output), how much of the budget it uses, its levels, the blocks it recomputes, and the
+planning time. ``--below N``: N more budgets under the smallest the levels alone reach
+(10% steps), where the plan recomputes blocks, until none fits.
 
     python benchmarks/fit_budget.py --model resnet50 --batch 8 --size 224 --out results/x.json
 """
@@ -21,24 +23,57 @@ from actcore.memory import profiled_bytes
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="resnet50")
+    p.add_argument("--model", default="resnet50", help="a torchvision model, or hf-llama")
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--size", type=int, default=224, help="image size, or sequence length")
     p.add_argument("--budgets", type=int, default=12, help="budgets from smallest to exact")
+    p.add_argument("--below", type=int, default=0, help="budgets under the levels' smallest")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.manual_seed(0)
-    model = getattr(torchvision.models, args.model)(num_classes=1000)
-    x = torch.randn(args.batch, 3, args.size, args.size)
+    if args.model == "hf-llama":  # a 4-layer Llama (width 64) through act_hf, sdpa
+        import transformers
+
+        import act_hf
+
+        cfg = transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=args.size,
+            attn_implementation="sdpa",
+        )
+        model = act_hf.convert(transformers.LlamaForCausalLM(cfg), level="L0")
+        ids = torch.randint(0, 128, (args.batch, args.size))
+        x = {"input_ids": ids, "labels": ids}
+    else:
+        model = getattr(torchvision.models, args.model)(num_classes=1000)
+        x = torch.randn(args.batch, 3, args.size, args.size)
     top = actcore.fit_budget(model, x, 2**62)
     rows = []
     span = top.exact_bytes - top.smallest_bytes
-    for i in range(args.budgets):
-        budget = int(top.smallest_bytes + span * (1 - i / (args.budgets - 1)))
+    budgets = [
+        int(top.smallest_bytes + span * (1 - i / (args.budgets - 1))) for i in range(args.budgets)
+    ]
+    budgets += [int(top.smallest_bytes * (1 - 0.1 * k)) for k in range(1, args.below + 1)]
+    for budget in budgets:
         t0 = time.perf_counter()
-        plan = actcore.fit_budget(model, x, budget)
+        try:
+            plan = actcore.fit_budget(model, x, budget)
+        except ValueError as e:
+            rows.append({"budget": budget, "infeasible": str(e)})
+            print(f"{budget:>12} infeasible: {e}")
+            break
         seconds = time.perf_counter() - t0
-        out, profiled = profiled_bytes(model, x)
+        if isinstance(x, torch.Tensor):
+            out, profiled = profiled_bytes(model, x)
+        else:
+            out, profiled = profiled_bytes(model, **x)
+            out = out.logits  # (and a scalar loss)
+        output_bytes = out.numel() * out.element_size()
         del out
         counts: dict[str, int] = {}
         for level in plan.levels.values():
@@ -49,13 +84,15 @@ def main() -> None:
                 "kept_bytes": plan.kept_bytes,
                 "used": plan.kept_bytes / budget,
                 "profiled_bytes": profiled,
+                "output_bytes": output_bytes,
                 "levels": counts,
+                "recompute": list(plan.recompute),
                 "plan_seconds": seconds,
             }
         )
         print(
             f"{budget:>12} {plan.kept_bytes:>12} {plan.kept_bytes / budget:6.1%} "
-            f"{profiled:>12} {seconds:6.1f}s {counts}"
+            f"{profiled - output_bytes:>12} {seconds:6.1f}s {counts} recompute {len(plan.recompute)}"
         )
     result = {
         "benchmark": "fit_budget",

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from .budget.checkpointing import set_recompute
 from .config import LEVELS, LevelSpec, config, level_spec
 from .fewbit.convert import (
     SMOOTH_LEFT,
@@ -167,7 +168,10 @@ def convert(
     else:
         attach_scope(model, spec, fewbit_bits=fewbit_bits, excluded=list(done.excluded.values()))
     report.scope = None if layers_only else repr(getattr(model, "act_scope", None))
-    model.__dict__.pop("act_memory_plan", None)  # every Q-layer at `level` again: no plan
+    plan = model.__dict__.pop("act_memory_plan", None)  # every Q-layer at `level` again
+    for name, module in model.named_modules():  # and no block recomputed by a plan
+        if plan is not None and name in plan.recompute:
+            set_recompute(module, False)
     model.act_report = report
     log.info("%s", report)
     return model

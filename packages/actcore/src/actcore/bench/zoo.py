@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from .. import budget
 from .. import memory as act_memory
 from . import report
 from .models import build_model, check_model, default_image_size, logits
@@ -36,7 +36,6 @@ __all__ = [
     "DEFAULT_MODELS",
     "FP",
     "LAYERS_SUFFIX",
-    "Checkpointed",
     "ZooConfig",
     "apply_variant",
     "check_variant",
@@ -73,45 +72,15 @@ class ZooConfig:
     compile: str | None = None
 
 
-class Checkpointed(nn.Module):
-    """``inner`` run under ``torch.utils.checkpoint`` (non-reentrant) when it saves anything."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return self.inner(*args, **kwargs)
-        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
-
-
-def _is_block(module: nn.Module) -> bool:
-    return any(True for _ in module.children())
-
-
 def checkpoint_blocks(model: nn.Module) -> list[str]:
-    """Wrap every block of the model's stages in :class:`Checkpointed`, in place.
-
-    A stage is an ``nn.Sequential`` whose children are all composite (blocks), none of them
-    a stage itself: ResNet's ``layer1``..``layer4``, ConvNeXt's and Swin's stages, ViT's
-    encoder layers, MobileNet's and EfficientNet's ``features``. Returns the wrapped names.
-    """
-    stages = []
-    for name, module in model.named_modules():
-        kids = list(module.children())
-        if isinstance(module, nn.Sequential) and kids and all(map(_is_block, kids)):
-            stages.append((name, module))
-    inner = {n for n, _ in stages}
-    wrapped = []
-    for name, stage in stages:
-        prefix = f"{name}." if name else ""
-        if any(other.startswith(prefix) and other != name for other in inner):
-            continue  # an outer stage of stages: wrap the inner ones
-        for key, child in list(stage._modules.items()):
-            stage._modules[key] = Checkpointed(child)
-            wrapped.append(prefix + key)
-    return wrapped
+    """Recompute every block of the model's stages in backward, in place (non-reentrant
+    checkpointing, names unchanged): the blocks :func:`actcore.budget.candidate_blocks`
+    finds, ResNet's bottlenecks, ConvNeXt's and Swin's, ViT's encoder layers, MobileNet's
+    and EfficientNet's. Returns their names."""
+    names = budget.candidate_blocks(model)
+    for name in names:
+        budget.set_recompute(model.get_submodule(name), True)
+    return names
 
 
 def apply_variant(model: nn.Module, variant: str) -> nn.Module:

@@ -1,0 +1,57 @@
+"""Fitting a memory budget: the level of each Q-layer, and where that is not enough the
+blocks to recompute, chosen so a forward keeps at most ``budget`` bytes for backward.
+
+:func:`fit_budget` measures what the converted model keeps (:func:`actcore.memory.track`,
+one forward of the example inputs) with every Q-layer at each candidate level, from exact
+(``L0``) to the coarsest. Those per-module tables order the moves "one Q-layer one level
+coarser" by the bytes they save, largest first, each layer's levels in order: a path of
+configurations from all exact to all coarsest. Bytes are not quite additive across modules
+(a tensor two layers share is kept once when they pack it alike, a ReLU's mask serves the
+next layer at ``L3``), so the path is measured, not predicted: a bisection finds its first
+configuration that fits, a few forwards in all; then the layers that the last step made
+coarser than the budget needs go one level finer again while the tables say they fit
+(the longest run of those moves that fits when measured). The plan is that
+configuration, measured.
+
+The planning forwards draw their random numbers (dropout) from one fixed seed, so every
+configuration is measured on the same draw, and leave no trace: buffers (batch-norm
+statistics) and torch's random state are restored after them. What a zero-value level
+keeps depends on the data (a ReLU output's nonzeros): other inputs or dropout draws keep a
+little more or less than the plan measured.
+
+Where every Q-layer at the coarsest level still keeps too much, blocks are recomputed in
+backward (:mod:`.checkpointing`: non-reentrant checkpointing in place, dropout replayed):
+the fewest that fit, those that keep the most first (a bisection over that order), the
+Q-layers inside them exact (what they save is recomputed), the levels of the others
+planned as above in what is left. A recomputed block still keeps its input exact, so on a
+network whose Q-layers already compress well, recomputing saves less than the coarsest
+level did; it is the way past that level, not a first choice.
+
+:func:`max_batch` and :func:`max_seq` find the largest batch or sequence length whose
+activations fit a budget at the least any plan keeps (doubling, then a bisection), and
+plan it.
+
+This is a slice of the budget planner: Q-layer levels and block recompute (offload and
+per-tensor choices are not planned yet), ordered by bytes saved (no time or
+gradient-error model yet: recompute comes only after the coarsest level). The plan stays
+on the model and :mod:`actcore.resume` saves and restores it.
+"""
+
+from __future__ import annotations
+
+from .checkpointing import candidate_blocks, recomputed_blocks, set_recompute
+from .plan import MemoryPlan, parse_bytes
+from .search import fit_budget
+from .sizes import default_budget, max_batch, max_seq
+
+__all__ = [
+    "MemoryPlan",
+    "candidate_blocks",
+    "default_budget",
+    "fit_budget",
+    "max_batch",
+    "max_seq",
+    "parse_bytes",
+    "recomputed_blocks",
+    "set_recompute",
+]

@@ -1,0 +1,131 @@
+"""What a memory plan chose, and the sizes it is given in."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ..config import level_spec
+from ..layers.base import QLayer
+from ..memory import format_bytes
+from .checkpointing import is_recomputed, set_recompute
+
+__all__ = ["MemoryPlan", "parse_bytes"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(size: int | float | str) -> int:
+    """``size`` in bytes: an int, or a string such as ``"6GiB"``, ``"512 MiB"``, ``"1.5GB"``."""
+    if isinstance(size, bool) or not isinstance(size, (int, float, str)):
+        raise TypeError(f"a memory size is an int of bytes or a string like '6GiB', got {size!r}")
+    if isinstance(size, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", size)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"cannot read {size!r} as a memory size: use a number and one of "
+                "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '6GiB')"
+            )
+        size = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(size) or size <= 0:
+        raise ValueError(f"a memory budget must be a positive number of bytes, got {size!r}")
+    return int(size)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The level of each Q-layer and the blocks to recompute that :func:`fit_budget` chose,
+    and what it measured."""
+
+    budget: int  # bytes asked for
+    levels: Mapping[str, str]  # Q-layer name -> level name
+    kept_bytes: int  # what a forward of the example inputs keeps under this plan
+    exact_bytes: int  # ... with every Q-layer at the finest candidate level
+    smallest_bytes: int  # ... the least any plan of these candidates keeps
+    recompute: Sequence[str] = field(default=())  # blocks recomputed in backward
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Set each planned Q-layer of ``model`` to its level (and keep the plan on it, for
+        :mod:`actcore.resume`); returns ``model``."""
+        self.check(model)
+        for name, level in self.levels.items():
+            model.get_submodule(name).act_level = level
+        chosen = set(self.recompute)
+        for name, module in model.named_modules():
+            if name in chosen or is_recomputed(module):
+                set_recompute(module, name in chosen)
+        model.__dict__["act_memory_plan"] = self
+        return model
+
+    def check(self, model: nn.Module) -> None:
+        """ValueError unless every planned name is a Q-layer of ``model`` and every level is
+        one of :data:`actcore.config.LEVELS`."""
+        for name, level in self.levels.items():
+            level_spec(level)  # ValueError naming an unknown level
+            try:
+                layer = model.get_submodule(name)
+            except AttributeError:
+                layer = None
+            if not isinstance(layer, QLayer):
+                raise ValueError(
+                    f"the memory plan sets {name!r} to {level}, but {type(model).__name__} has "
+                    "no Q-layer of that name: load it into the model it was made for, "
+                    "converted the same way"
+                )
+        names = {name for name, _ in model.named_modules()}
+        for name in self.recompute:
+            if name not in names:
+                raise ValueError(
+                    f"the memory plan recomputes {name!r}, but {type(model).__name__} has no "
+                    "module of that name: load it into the model it was made for"
+                )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plan as plain data (:func:`actcore.resume.state_dict` saves it)."""
+        return {
+            "budget": self.budget,
+            "levels": dict(self.levels),
+            "kept_bytes": self.kept_bytes,
+            "exact_bytes": self.exact_bytes,
+            "smallest_bytes": self.smallest_bytes,
+            "recompute": list(self.recompute),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> MemoryPlan:
+        """The plan :meth:`state_dict` saved (KeyError naming a missing field)."""
+        fields = ("budget", "levels", "kept_bytes", "exact_bytes", "smallest_bytes")
+        missing = [f for f in fields if f not in state]
+        if missing:
+            raise KeyError(f"a saved memory plan lacks {missing}; it has {sorted(state)}")
+        return cls(**{f: state[f] for f in fields}, recompute=tuple(state.get("recompute", ())))
+
+    def __str__(self) -> str:
+        counts: dict[str, int] = {}
+        for level in self.levels.values():
+            counts[level] = counts.get(level, 0) + 1
+        spread = ", ".join(f"{n} at {level}" for level, n in sorted(counts.items()))
+        if self.recompute:
+            spread += f"; {len(self.recompute)} blocks recomputed ({', '.join(self.recompute)})"
+        return (
+            f"MemoryPlan: keeps {format_bytes(self.kept_bytes)} for a budget of "
+            f"{format_bytes(self.budget)} (exact {format_bytes(self.exact_bytes)}, smallest "
+            f"reachable {format_bytes(self.smallest_bytes)}); {spread}"
+        )

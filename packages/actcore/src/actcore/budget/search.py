@@ -1,0 +1,345 @@
+"""fit_budget: each Q-layer's level, and the blocks to recompute, chosen so that a forward
+keeps at most a budget of bytes, measured (the package docstring says how)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..compressors.zero_value import settle
+from ..config import level_spec
+from ..convert import convert
+from ..layers.base import QLayer
+from ..memory import format_bytes, track
+from .checkpointing import candidate_blocks, is_recomputed, set_recompute
+from .plan import MemoryPlan, parse_bytes
+
+__all__ = [
+    "allowed_blocks",
+    "fit_budget",
+    "forward_of",
+    "inside",
+    "measure",
+    "planned_layers",
+    "preserved",
+]
+
+
+def forward_of(example_inputs: Any) -> Callable[[nn.Module], Any]:
+    if callable(example_inputs) and not isinstance(example_inputs, torch.Tensor):
+        return example_inputs  # forward(model) -> output
+    if isinstance(example_inputs, Mapping):
+        return lambda model: model(**example_inputs)
+    if isinstance(example_inputs, tuple):
+        return lambda model: model(*example_inputs)
+    return lambda model: model(example_inputs)
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module) -> Iterator[None]:
+    """Undo what forwards do besides computing: buffer updates (batch-norm statistics) and
+    draws from torch's generators (dropout)."""
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, b in model.named_buffers():
+                    if n in buffers:
+                        b.copy_(buffers[n])
+
+
+def fit_budget(
+    model: nn.Module,
+    example_inputs: Any,
+    budget: int | float | str,
+    *,
+    levels: Sequence[str] = ("L0", "L1", "L2", "L3"),
+    recompute: bool | Sequence[str] = True,
+) -> MemoryPlan:
+    """Choose each Q-layer's level, and where compression alone cannot fit the blocks to
+    recompute in backward, so that a forward of ``example_inputs`` keeps at most ``budget``
+    bytes for backward, keeping as many layers as fine as the budget allows; set the plan
+    on ``model`` and return the :class:`MemoryPlan`.
+
+    ``model``: a model converted at the finest of ``levels`` (what no Q-layer saves is kept
+    at the level it was converted at, so the finest end of the plan is that level
+    throughout), or an unconverted one, which is converted so (in place). The Q-layers
+    planned coarser run that level's fixed bits (adaptive bits stay off).
+    ``example_inputs``: a tensor, a tuple of positional arguments, a dict of keyword
+    arguments, or a callable ``forward(model)``; their shapes are the plan's (plan again for
+    another batch or sequence length). ``budget``: bytes, or a string such as ``"6GiB"``.
+    ``levels``: the candidate levels from finest to coarsest. ``recompute``: the blocks
+    that may be recomputed (non-reentrant checkpointing, dropout replayed): ``True``, those
+    :func:`~actcore.budget.candidate_blocks` finds; a list of module names; ``False``, none.
+    Blocks are recomputed only when every Q-layer at the coarsest level still keeps too
+    much: the fewest that fit (those that keep the most first), the Q-layers inside them
+    exact (their saves are recomputed, not kept), the others planned in the rest.
+
+    Raises ValueError when even the coarsest level with every allowed block recomputed
+    keeps more than ``budget``, naming the smallest budget that fits.
+    """
+    budget_bytes = parse_bytes(budget)
+    names, layers = planned_layers(model, levels)
+    blocks = allowed_blocks(model, recompute)
+    forward = forward_of(example_inputs)
+    before = {n: m.act_spec for n, m in layers.items()}
+    was_recomputed = [n for n, m in model.named_modules() if is_recomputed(m)]
+    chosen: list[str] = []
+
+    def kept(config: Mapping[str, str]) -> tuple[int, dict[str, int]]:
+        for name in blocks:
+            set_recompute(model.get_submodule(name), name in chosen)
+        return measure(model, layers, forward, config)
+
+    done = False
+    try:
+        for name in was_recomputed:  # planned from scratch: what a plan set before is undone
+            set_recompute(model.get_submodule(name), False)
+        with preserved(model):
+            plan = _plan(kept, chosen, list(layers), names, blocks, budget_bytes)
+        done = True
+    finally:
+        if not done:  # an error (or an infeasible budget): the model as it was
+            for n, m in layers.items():
+                m.act_spec = before[n]
+            for name, module in model.named_modules():
+                set_recompute(module, name in was_recomputed)
+    plan.apply(model)
+    return plan
+
+
+def allowed_blocks(model: nn.Module, recompute: bool | Sequence[str]) -> list[str]:
+    """The names of the blocks ``recompute`` allows (see :func:`fit_budget`)."""
+    if recompute is True:
+        return candidate_blocks(model)
+    if recompute is False:
+        return []
+    if isinstance(recompute, str) or not all(isinstance(n, str) for n in recompute):
+        raise TypeError(f"recompute is True, False or a list of module names, got {recompute!r}")
+    names = {n for n, _ in model.named_modules()}
+    unknown = [n for n in recompute if n not in names or n == ""]
+    if unknown:
+        raise ValueError(
+            f"cannot recompute {unknown}: {type(model).__name__} has no such submodule "
+            f"(its blocks: {candidate_blocks(model) or 'none found'})"
+        )
+    return list(recompute)
+
+
+def inside(name: str, blocks: Sequence[str]) -> bool:
+    """Whether module ``name`` is one of ``blocks`` or inside one."""
+    return any(name == b or name.startswith(b + ".") for b in blocks)
+
+
+def _plan(
+    kept: Callable[[Mapping[str, str]], tuple[int, dict[str, int]]],
+    chosen: list[str],
+    layers: list[str],
+    names: list[str],
+    blocks: list[str],
+    budget: int,
+) -> MemoryPlan:
+    """Levels only where they fit; else the fewest blocks recomputed that fit at the coarsest
+    level (``chosen``, which ``kept`` reads, is filled in), then the levels outside them.
+
+    A recomputed block keeps its input exact instead of what its Q-layers keep, which can
+    be more: each block's saving is measured (every block recomputed in one forward against
+    none, by module), and only blocks that save bytes are recomputed, the largest savings
+    first."""
+    exact = kept(dict.fromkeys(layers, names[0]))[0]
+    coarsest, coarse_by = kept(dict.fromkeys(layers, names[-1]))
+    if coarsest <= budget or not blocks:
+        return _search(kept, layers, names, budget)
+
+    def config_for(recomputed: Sequence[str]) -> dict[str, str]:
+        chosen[:] = recomputed
+        return {n: names[0] if inside(n, chosen) else names[-1] for n in layers}
+
+    every, every_by = kept(config_for(blocks))
+
+    def under(by_module: Mapping[str, int], block: str) -> int:
+        return sum(v for m, v in by_module.items() if inside(m, [block]))
+
+    saving = {b: under(coarse_by, b) - under(every_by, b) for b in blocks}
+    order = sorted((b for b in blocks if saving[b] > 0), key=lambda b: -saving[b])
+    fewest = (
+        every if len(order) == len(blocks) else kept(config_for(order))[0] if order else coarsest
+    )
+    smallest = min(coarsest, fewest)
+    if smallest > budget:
+        how = f"every Q-layer at {names[-1]}" + (
+            f", {len(order)} of {len(blocks)} blocks recomputed"
+            if fewest < coarsest
+            else f" (recomputing any of the {len(blocks)} blocks keeps more: its input exact)"
+        )
+        raise ValueError(
+            f"a budget of {format_bytes(budget)} cannot be met: the least a plan keeps is "
+            f"{format_bytes(smallest)} ({smallest} bytes, {how}), the smallest budget that "
+            f"fits; exact ({names[0]}) keeps {format_bytes(exact)}"
+        )
+    lo, hi = 1, len(order)  # the fewest blocks that fit (all of them do)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if kept(config_for(order[:mid]))[0] <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    config_for(order[:lo])
+    inner = [n for n in layers if inside(n, chosen)]
+    free = [n for n in layers if n not in inner]
+
+    def kept_free(config: Mapping[str, str]) -> tuple[int, dict[str, int]]:
+        return kept({**dict.fromkeys(inner, names[0]), **config})
+
+    plan = _search(kept_free, free, names, budget) if free else None
+    levels = {**dict.fromkeys(inner, names[0]), **(plan.levels if plan else {})}
+    used = plan.kept_bytes if plan else kept(levels)[0]
+    return MemoryPlan(budget, levels, used, exact, smallest, recompute=tuple(chosen))
+
+
+def planned_layers(model: nn.Module, levels: Sequence[str]) -> tuple[list[str], dict[str, QLayer]]:
+    """The candidate level names (checked) and the Q-layers of ``model``, converted at the
+    finest level first where it is not converted yet."""
+    specs = [level_spec(level) for level in levels]  # ValueError naming an unknown level
+    if not specs:
+        raise ValueError("a memory plan needs at least one candidate level")
+    names = [spec.name for spec in specs]
+    report = getattr(model, "act_report", None)
+    if report is None:
+        convert(model, level=names[0])
+    elif report.level != names[0]:
+        raise ValueError(
+            f"a memory plan is made for a model converted at its finest level {names[0]!r}; "
+            f"this one was converted at {report.level!r}, which also compresses what the "
+            f"Q-layers keep exact: actcore.convert(model, level={names[0]!r}) first"
+        )
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QLayer)}
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no layer actcore can convert to plan")
+    return names, layers
+
+
+def measure(
+    model: nn.Module,
+    layers: Mapping[str, QLayer],
+    forward: Callable[[nn.Module], Any],
+    config: Mapping[str, str],
+) -> tuple[int, dict[str, int]]:
+    """Bytes one forward keeps for backward with each Q-layer at ``config``'s level, in all
+    and by module (the Q-layers are left at those levels)."""
+    for n, m in layers.items():
+        m.act_level = config[n]
+    torch.manual_seed(0)  # every configuration measured on the same dropout draw
+    with track(model) as report:
+        out = forward(model)
+        settle(wait=True)  # CUDA: zero-value payloads at their exact size, as in training
+    del out
+    return report.retained_bytes, dict(report.by_module)
+
+
+def _search(
+    kept: Callable[[Mapping[str, str]], tuple[int, dict[str, int]]],
+    layers: list[str],
+    names: list[str],
+    budget: int,
+) -> MemoryPlan:
+    tables = [kept(dict.fromkeys(layers, name)) for name in names]
+    exact, smallest = tables[0][0], tables[-1][0]
+    if smallest > budget:
+        raise ValueError(
+            f"a budget of {format_bytes(budget)} cannot be met: with every Q-layer at "
+            f"{names[-1]} a forward keeps {format_bytes(smallest)} ({smallest} bytes), the "
+            f"smallest budget these levels fit; exact ({names[0]}) keeps {format_bytes(exact)}"
+        )
+    path = _path(layers, [t[1] for t in tables], names)
+    lo, hi = 0, len(path) - 1  # path[hi] is all coarsest: fits
+    measured = {0: exact, hi: smallest}
+    while lo < hi:  # the first configuration on the path that fits
+        mid = (lo + hi) // 2
+        if mid not in measured:
+            measured[mid] = kept(path[mid])[0]
+        if measured[mid] <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo not in measured:
+        measured[lo] = kept(path[lo])[0]
+    config, used = _refine(
+        kept, dict(path[lo]), measured[lo], [t[1] for t in tables], names, budget
+    )
+    return MemoryPlan(budget, config, used, exact, smallest)
+
+
+def _refine(
+    kept: Callable[[Mapping[str, str]], tuple[int, dict[str, int]]],
+    config: dict[str, str],
+    used: int,
+    by_module: list[dict[str, int]],
+    names: list[str],
+    budget: int,
+) -> tuple[dict[str, str], int]:
+    """Spend what the path's step left of the budget: layers one level finer again, the
+    cheapest first while the tables say they fit; then the longest run of those moves that
+    fits when measured (a bisection)."""
+    rank = {name: i for i, name in enumerate(names)}
+    trial, moves, slack = dict(config), [], budget - used
+    while True:
+        best, best_cost = None, math.inf
+        for layer, level in trial.items():
+            i = rank[level]
+            if i > 0:
+                cost = by_module[i - 1].get(layer, 0) - by_module[i].get(layer, 0)
+                if cost < best_cost:
+                    best, best_cost = layer, cost
+        if best is None or best_cost > slack:
+            break
+        trial[best] = names[rank[trial[best]] - 1]
+        moves.append((best, trial[best]))
+        slack -= best_cost
+
+    def applied(k: int) -> dict[str, str]:
+        out = dict(config)
+        for layer, level in moves[:k]:
+            out[layer] = level
+        return out
+
+    lo, hi, best_used = 0, len(moves), used  # moves[:lo] fit (measured)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        now = kept(applied(mid))[0]
+        if now <= budget:
+            lo, best_used = mid, now
+        else:
+            hi = mid - 1
+    return applied(lo), best_used
+
+
+def _path(
+    layers: list[str], by_module: list[dict[str, int]], names: list[str]
+) -> list[dict[str, str]]:
+    """Configurations from all ``names[0]`` to all ``names[-1]``, one layer one level coarser
+    per step, the move that saves the most bytes (by the uniform tables) first."""
+    config = dict.fromkeys(layers, names[0])
+    index = dict.fromkeys(layers, 0)
+    path = [dict(config)]
+    while True:
+        best, best_saving = None, -math.inf
+        for layer in layers:
+            i = index[layer]
+            if i + 1 < len(names):
+                saving = by_module[i].get(layer, 0) - by_module[i + 1].get(layer, 0)
+                if saving > best_saving:
+                    best, best_saving = layer, saving
+        if best is None:
+            return path
+        index[best] += 1
+        config[best] = names[index[best]]
+        path.append(dict(config))

@@ -1,0 +1,169 @@
+"""The largest batch or sequence length whose forward fits a budget, and its plan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..memory import format_bytes
+from .checkpointing import is_recomputed, set_recompute
+from .plan import MemoryPlan, parse_bytes
+from .search import (
+    allowed_blocks,
+    fit_budget,
+    forward_of,
+    inside,
+    measure,
+    planned_layers,
+    preserved,
+)
+
+__all__ = ["default_budget", "max_batch", "max_seq"]
+
+
+def default_budget(model: nn.Module) -> int:
+    """The bytes a CUDA model's activations may take: the device's free memory, less the
+    gradients its trainable parameters do not hold yet. Optimizer state counts only once it
+    exists (after the first step), so plan after one step, or give the budget. ValueError
+    for a model that is not on a CUDA device."""
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    if device.type != "cuda":
+        raise ValueError(
+            f"the default budget is the free memory of the model's CUDA device, and this "
+            f"model is on {device}: give a budget, such as budget='2GiB'"
+        )
+    free, _ = torch.cuda.mem_get_info(device)
+    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
+    if free <= grads:
+        raise ValueError(
+            f"{device} has {format_bytes(free)} free, less than the "
+            f"{format_bytes(grads)} its parameters' gradients will take"
+        )
+    return free - grads
+
+
+def max_batch(
+    model: nn.Module,
+    make_inputs: Callable[[int], Any],
+    budget: int | float | str | None = None,
+    *,
+    levels: Sequence[str] = ("L0", "L1", "L2", "L3"),
+    start: int | None = None,
+    limit: int = 2**20,
+    multiple_of: int = 1,
+    recompute: bool | Sequence[str] = True,
+) -> tuple[int, MemoryPlan]:
+    """The largest batch whose activations fit ``budget`` at some plan, and that plan (set
+    on ``model``, as :func:`fit_budget` sets it).
+
+    ``make_inputs(batch)`` returns the example inputs of a batch of that size (a tensor, a
+    tuple of positional arguments, a dict of keyword arguments, or a callable
+    ``forward(model)``). A size fits when a forward of its inputs, every Q-layer at the
+    coarsest of ``levels`` and every block ``recompute`` allows recomputed (see
+    :func:`fit_budget`), keeps at most ``budget`` bytes; sizes grow by doubling from
+    ``start`` (default ``multiple_of``) until one does not fit (or ``limit``), then a
+    bisection finds the last that does, in steps of ``multiple_of``. The plan for that size is :func:`fit_budget`'s: the
+    finest levels that fit. ``budget``: bytes or a string such as ``"6GiB"``; ``None``,
+    :func:`default_budget` (a CUDA model). What the budget bounds is what the forward keeps
+    for backward, as :func:`fit_budget` measures it, not the step's transient peak.
+
+    Raises ValueError when even ``start`` does not fit, naming what it keeps.
+    """
+    return _largest(
+        model, make_inputs, budget, levels, start, limit, multiple_of, recompute, "batch"
+    )
+
+
+def max_seq(
+    model: nn.Module,
+    make_inputs: Callable[[int], Any],
+    budget: int | float | str | None = None,
+    *,
+    levels: Sequence[str] = ("L0", "L1", "L2", "L3"),
+    start: int | None = None,
+    limit: int = 2**20,
+    multiple_of: int = 1,
+    recompute: bool | Sequence[str] = True,
+) -> tuple[int, MemoryPlan]:
+    """:func:`max_batch` for a sequence length: ``make_inputs(length)`` returns the example
+    inputs of that length (``multiple_of``: e.g. 64 for kernels that want aligned
+    lengths)."""
+    return _largest(
+        model, make_inputs, budget, levels, start, limit, multiple_of, recompute, "sequence"
+    )
+
+
+def _largest(
+    model: nn.Module,
+    make_inputs: Callable[[int], Any],
+    budget: int | float | str | None,
+    levels: Sequence[str],
+    start: int | None,
+    limit: int,
+    multiple_of: int,
+    recompute: bool | Sequence[str],
+    what: str,
+) -> tuple[int, MemoryPlan]:
+    if start is None:
+        start = multiple_of if isinstance(multiple_of, int) else 1
+    for name, value in (("start", start), ("limit", limit), ("multiple_of", multiple_of)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if start % multiple_of or limit < start:
+        raise ValueError(
+            f"start ({start}) must be a multiple of multiple_of ({multiple_of}) and at most "
+            f"limit ({limit})"
+        )
+    budget_bytes = default_budget(model) if budget is None else parse_bytes(budget)
+    names, layers = planned_layers(model, levels)
+    blocks = allowed_blocks(model, recompute)
+    # the least a size can keep: every allowed block recomputed, the rest at the coarsest
+    smallest = {n: names[0] if inside(n, blocks) else names[-1] for n in layers}
+    before = {n: m.act_spec for n, m in layers.items()}
+    was_recomputed = {n for n, m in model.named_modules() if is_recomputed(m)}
+    measured: dict[int, int] = {}
+
+    def fits(size: int) -> bool:
+        if size not in measured:
+            forward = forward_of(make_inputs(size))
+            measured[size] = measure(model, layers, forward, smallest)[0]
+        return measured[size] <= budget_bytes
+
+    try:
+        for name, module in model.named_modules():
+            set_recompute(module, name in blocks)
+        with preserved(model):
+            if not fits(start):
+                raise ValueError(
+                    f"no {what} fits a budget of {format_bytes(budget_bytes)}: a {what} of "
+                    f"{start} keeps {format_bytes(measured[start])} with every Q-layer at "
+                    f"{names[-1]}" + (f" and {len(blocks)} blocks recomputed" if blocks else "")
+                )
+            good, bad = start, None  # good fits; bad (once found) does not
+            while bad is None and good < limit:
+                step = min(limit, good * 2) // multiple_of * multiple_of
+                if step <= good:
+                    break
+                if fits(step):
+                    good = step
+                else:
+                    bad = step
+            while bad is not None and bad - good > multiple_of:
+                mid = (good + bad) // 2 // multiple_of * multiple_of
+                if mid <= good:
+                    break
+                if fits(mid):
+                    good = mid
+                else:
+                    bad = mid
+    finally:
+        for n, m in layers.items():
+            m.act_spec = before[n]
+        for name, module in model.named_modules():
+            set_recompute(module, name in was_recomputed)
+    plan = fit_budget(model, make_inputs(good), budget_bytes, levels=names, recompute=blocks)
+    return good, plan
