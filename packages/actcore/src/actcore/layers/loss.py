@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ..compressors import IDENTITY, Quantize
+from ..memory import note_saved
 from .stash import records, stash, unstash
 
 __all__ = [
@@ -66,8 +67,11 @@ def note_linear_output(
     keeps the output; a loss then recomputes from ``x`` only while something else holds it.
     """
     layer_ref = None if layer is None else weakref.ref(layer)
-    held: Any = x if out.dim() and x.dim() and out.shape[-1] >= x.shape[-1] else weakref.ref(x)
+    strong = bool(out.dim() and x.dim() and out.shape[-1] >= x.shape[-1])
+    held: Any = x if strong else weakref.ref(x)
     records().setdefault(out)[_SOURCE] = (held, x._version, weight, bias, layer_ref, ())
+    if strong:  # held for backward as long as ``out`` lives: the memory trackers count it
+        note_saved(x)  # while it is alive (a saved ``out`` keeps it; a consumed one frees it)
 
 
 def note_cast(out: torch.Tensor, source: torch.Tensor) -> None:
