@@ -48,7 +48,7 @@ def main() -> None:
         )
         model = act_hf.convert(transformers.LlamaForCausalLM(cfg), level="L0")
         ids = torch.randint(0, 128, (args.batch, args.size))
-        x = {"input_ids": ids, "labels": ids}
+        x = {"input_ids": ids, "labels": ids, "use_cache": False}  # training: no KV cache
     else:
         model = getattr(torchvision.models, args.model)(num_classes=1000)
         x = torch.randn(args.batch, 3, args.size, args.size)

@@ -198,7 +198,7 @@ def test_blocks_whose_recompute_keeps_more_are_not_recomputed():
 
 def test_named_blocks_and_bad_names():
     x = _x()
-    levels_only, all_recomputed = _floors(x)
+    levels_only, _ = _floors(x)
     model = _net()
     plan = fit_budget(model, x, levels_only - 1, recompute=["1.2"])
     assert plan.recompute == ("1.2",)
@@ -210,7 +210,7 @@ def test_named_blocks_and_bad_names():
 
 def test_the_plan_resumes_with_its_blocks_and_converting_again_drops_them():
     x = _x()
-    levels_only, all_recomputed = _floors(x)
+    _, all_recomputed = _floors(x)
     model = _net()
     plan = fit_budget(model, x, all_recomputed)
     assert len(plan.recompute) == 3

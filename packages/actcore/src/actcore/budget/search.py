@@ -178,7 +178,7 @@ def _plan(
         how = f"every Q-layer at {names[-1]}" + (
             f", {len(order)} of {len(blocks)} blocks recomputed"
             if fewest < coarsest
-            else f" (recomputing any of the {len(blocks)} blocks keeps more: its input exact)"
+            else f"; recomputing any of the {len(blocks)} blocks keeps more, its input exact"
         )
         raise ValueError(
             f"a budget of {format_bytes(budget)} cannot be met: the least a plan keeps is "

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ..compressors import IDENTITY, Quantize
-from ..memory import note_saved
+from ..memory import note_held
 from .stash import records, stash, unstash
 
 __all__ = [
@@ -70,8 +70,8 @@ def note_linear_output(
     strong = bool(out.dim() and x.dim() and out.shape[-1] >= x.shape[-1])
     held: Any = x if strong else weakref.ref(x)
     records().setdefault(out)[_SOURCE] = (held, x._version, weight, bias, layer_ref, ())
-    if strong:  # held for backward as long as ``out`` lives: the memory trackers count it
-        note_saved(x)  # while it is alive (a saved ``out`` keeps it; a consumed one frees it)
+    if strong:  # held as long as ``out`` lives: the memory trackers count it while ``out``
+        note_held(x, out)  # is alive (a saved ``out`` keeps it; a consumed one frees it)
 
 
 def note_cast(out: torch.Tensor, source: torch.Tensor) -> None:

@@ -41,7 +41,7 @@ mode on one thread: module hooks do nothing while ``torch.compile`` traces.
 
 from __future__ import annotations
 
-from .api import measure, note_moved, note_outputs, note_saved, storage_key, track
+from .api import measure, note_held, note_moved, note_outputs, note_saved, storage_key, track
 from .profiler import profiled_bytes, profiled_peak_bytes
 from .report import OUTSIDE, MemoryReport, format_bytes
 from .tracker import Tracker
@@ -52,6 +52,7 @@ __all__ = [
     "Tracker",
     "format_bytes",
     "measure",
+    "note_held",
     "note_moved",
     "note_outputs",
     "note_saved",

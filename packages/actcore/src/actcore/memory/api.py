@@ -15,7 +15,15 @@ from .saved_hooks import ACTIVE_TRACKERS, PROBE
 from .storage import iter_tensors, storage_of
 from .tracker import Tracker
 
-__all__ = ["measure", "note_moved", "note_outputs", "note_saved", "storage_key", "track"]
+__all__ = [
+    "measure",
+    "note_held",
+    "note_moved",
+    "note_outputs",
+    "note_saved",
+    "storage_key",
+    "track",
+]
 
 
 def track(model: nn.Module | None = None, *, include_params: bool = False) -> Tracker:
@@ -46,6 +54,16 @@ def note_saved(obj: Any) -> None:
     for t in iter_tensors(obj):
         for tracker in ACTIVE_TRACKERS:
             tracker._record(t, t)
+
+
+def note_held(t: Tensor, holder: Tensor) -> None:
+    """Report to active trackers that ``t`` is kept for backward for as long as ``holder``
+    lives (something attached to ``holder`` refers to ``t``), not longer: it is counted
+    while ``holder`` is alive. Does nothing when no tracker is active."""
+    if not ACTIVE_TRACKERS or PROBE["running"]:
+        return
+    for tracker in ACTIVE_TRACKERS:
+        tracker._record(t, holder)
 
 
 def storage_key(t: Tensor) -> Any:
