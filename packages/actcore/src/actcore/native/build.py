@@ -72,10 +72,16 @@ __all__ = [
 ]
 
 EXTENSION_NAME = "actcore_native"
-SOURCES = ("kernels.cu", "ops.cpp")
-HEADERS = ("actcore_native.h", "op_args.h", "op_checks.h", "op_registration.h")
+SOURCES = ("kernels.cu", "quantize_kernels.cu", "ops.cpp")
+HEADERS = (
+    "actcore_native.h",
+    "kernel_common.cuh",
+    "op_args.h",
+    "op_checks.h",
+    "op_registration.h",
+)
 ABI_VERSION = 3  # csrc/actcore_native.h: kAbiVersion
-# IEEE behaviour the bit-exactness relies on (see csrc/kernels.cu): no fused multiply-add,
+# IEEE behaviour the bit-exactness relies on (see csrc/kernel_common.cuh): no fused multiply-add,
 # denormals kept, correctly rounded division and square root.
 CUDA_FLAGS = ("-O3", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
 CXX_FLAGS = ("-O2",)
