@@ -62,8 +62,9 @@ class MemoryPlan:
     recompute: Sequence[str] = field(default=())  # blocks recomputed in backward
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Set each planned Q-layer of ``model`` to its level (and keep the plan on it, for
-        :mod:`actcore.resume`); returns ``model``."""
+        """Set each planned Q-layer of ``model`` to its level, recompute exactly the plan's
+        blocks (any other recomputed module is switched back), and keep the plan on the
+        model for :mod:`actcore.resume`; returns ``model``."""
         self.check(model)
         for name, level in self.levels.items():
             model.get_submodule(name).act_level = level

@@ -80,11 +80,12 @@ def fit_budget(
     that may be recomputed (non-reentrant checkpointing, dropout replayed): ``True``, those
     :func:`~actcore.budget.candidate_blocks` finds; a list of module names; ``False``, none.
     Blocks are recomputed only when every Q-layer at the coarsest level still keeps too
-    much: the fewest that fit (those that keep the most first), the Q-layers inside them
-    exact (their saves are recomputed, not kept), the others planned in the rest.
+    much, and only blocks whose recompute saves bytes (a recomputed block keeps its input
+    exact): the fewest that fit, the largest savings first, the Q-layers inside them exact
+    (their saves are recomputed, not kept), the others planned in the rest.
 
-    Raises ValueError when even the coarsest level with every allowed block recomputed
-    keeps more than ``budget``, naming the smallest budget that fits.
+    Raises ValueError when even the least a plan can keep is more than ``budget``, naming
+    that smallest budget and how it is reached.
     """
     budget_bytes = parse_bytes(budget)
     names, layers = planned_layers(model, levels)
@@ -154,9 +155,11 @@ def _plan(
     be more: each block's saving is measured (every block recomputed in one forward against
     none, by module), and only blocks that save bytes are recomputed, the largest savings
     first."""
+    if not blocks:
+        return _search(kept, layers, names, budget)
     exact = kept(dict.fromkeys(layers, names[0]))[0]
     coarsest, coarse_by = kept(dict.fromkeys(layers, names[-1]))
-    if coarsest <= budget or not blocks:
+    if coarsest <= budget:
         return _search(kept, layers, names, budget)
 
     def config_for(recomputed: Sequence[str]) -> dict[str, str]:
