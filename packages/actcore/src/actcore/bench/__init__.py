@@ -28,11 +28,14 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> None:
     """Add ``bench`` and its subcommands to the ``actcore`` command line."""
-    from . import accuracy, demo, kernels, maxbatch, memory, sweep, train, zoo
+    from . import accuracy, demo, kernels, maxbatch, memory, plan, sweep, train, zoo
 
     p = subparsers.add_parser(
         "bench",
-        help="benchmarks: memory, zoo, accuracy, train, max-batch, sweep, kernels (alone: the demo)",
+        help=(
+            "benchmarks: memory, zoo, accuracy, train, max-batch, sweep, kernels, plan "
+            "(alone: the demo)"
+        ),
         description=(
             "Benchmarks of activation-compressed training. Without a subcommand: the demo "
             "(memory saved on a ResNet-50 and accuracy kept on digits, a few minutes on a CPU)."
@@ -40,7 +43,7 @@ def register(subparsers: Any) -> None:
     )
     demo.add_arguments(p, add_common)
     sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
-    for module in (memory, zoo, accuracy, train, maxbatch, sweep, kernels):
+    for module in (memory, zoo, accuracy, train, maxbatch, sweep, kernels, plan):
         module.register(sub, add_common)
 
 

@@ -1,0 +1,32 @@
+"""``actcore bench plan``: one row per budget with what the plan keeps (within the budget),
+its step time and its gradient cosine against the unconverted model (1 for the exact plan),
+ending where no plan fits; bad options refused."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_cli
+
+
+def test_bench_plan_rows_from_exact_to_nothing_fits(tmp_path):
+    out = tmp_path / "plan.json"
+    args = ["bench", "plan", "--model", "tiny-cnn", "--batch", "2", "--budgets", "3"]
+    args += ["--below", "2", "--steps", "1", "--quiet", "--threads", "1", "--json", str(out)]
+    assert run_cli(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    planned = [r for r in rows if "error" not in r]
+    assert len(planned) == 3
+    assert planned[0]["levels"] == "8 L0" and planned[0]["grad_cosine"] > 0.99999
+    for row in planned:
+        assert row["kept_bytes"] <= row["budget"]
+        assert 0.9 < row["grad_cosine"] <= 1.0 + 1e-6 and row["step_ms"] > 0
+    assert [r["budget"] for r in planned] == sorted((r["budget"] for r in planned), reverse=True)
+    assert "no plan" not in json.dumps(planned)
+    assert rows[-1].get("error", "").startswith("a budget of")  # tiny-cnn has no blocks
+
+
+def test_bench_plan_refuses_bad_options(capsys):
+    assert run_cli(["bench", "plan", "--model", "resnet5"]) == 2
+    assert run_cli(["bench", "plan", "--model", "tiny-cnn", "--below", "-1"]) == 2
+    assert "--below" in capsys.readouterr().err
