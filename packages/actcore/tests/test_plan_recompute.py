@@ -233,3 +233,18 @@ def test_max_batch_reaches_further_with_recompute():
     size, plan = actcore.max_batch(model, images, budget, limit=64)
     assert without in (8, 9)  # (what a batch keeps is close to linear in it)
     assert size > without and plan.kept_bytes <= budget and plan.recompute
+
+
+def test_max_batch_is_not_held_back_by_blocks_whose_recompute_keeps_more():
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Sequential(_Narrowing(), _Narrowing()), nn.Linear(256, 4))
+
+    def rows(b: int) -> torch.Tensor:
+        return torch.randn(b, 256, generator=torch.Generator().manual_seed(b))
+
+    budget = fit_budget(make(), rows(32), 10**9, recompute=False).smallest_bytes
+    without, _ = actcore.max_batch(make(), rows, budget, recompute=False, limit=256)
+    model = make()
+    size, plan = actcore.max_batch(model, rows, budget, limit=256)
+    assert size == without >= 32 and plan.recompute == () and plan.kept_bytes <= budget

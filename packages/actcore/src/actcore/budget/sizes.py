@@ -121,27 +121,37 @@ def _largest(
     budget_bytes = default_budget(model) if budget is None else parse_bytes(budget)
     names, layers = planned_layers(model, levels)
     blocks = allowed_blocks(model, recompute)
-    # the least a size can keep: every allowed block recomputed, the rest at the coarsest
-    smallest = {n: names[0] if inside(n, blocks) else names[-1] for n in layers}
+    # the least a size can keep: every Q-layer at the coarsest level, or (where recomputing
+    # saves bytes: a recomputed block keeps its input exact) every allowed block recomputed
+    coarsest = dict.fromkeys(layers, names[-1])
+    recomputed = {n: names[0] if inside(n, blocks) else names[-1] for n in layers}
     before = {n: m.act_spec for n, m in layers.items()}
     was_recomputed = {n for n, m in model.named_modules() if is_recomputed(m)}
     measured: dict[int, int] = {}
 
+    def kept(forward: Callable[[nn.Module], Any], on: bool, config: dict[str, str]) -> int:
+        for name in blocks:
+            set_recompute(model.get_submodule(name), on)
+        return measure(model, layers, forward, config)[0]
+
     def fits(size: int) -> bool:
         if size not in measured:
             forward = forward_of(make_inputs(size))
-            measured[size] = measure(model, layers, forward, smallest)[0]
+            measured[size] = kept(forward, False, coarsest)
+            if blocks and measured[size] > budget_bytes:
+                measured[size] = min(measured[size], kept(forward, True, recomputed))
         return measured[size] <= budget_bytes
 
     try:
-        for name, module in model.named_modules():
-            set_recompute(module, name in blocks)
+        for module in model.modules():
+            set_recompute(module, False)
         with preserved(model):
             if not fits(start):
                 raise ValueError(
                     f"no {what} fits a budget of {format_bytes(budget_bytes)}: a {what} of "
-                    f"{start} keeps {format_bytes(measured[start])} with every Q-layer at "
-                    f"{names[-1]}" + (f" and {len(blocks)} blocks recomputed" if blocks else "")
+                    f"{start} keeps at least {format_bytes(measured[start])} (every Q-layer "
+                    f"at {names[-1]}"
+                    + (f", or {len(blocks)} blocks recomputed)" if blocks else ")")
                 )
             good, bad = start, None  # good fits; bad (once found) does not
             while bad is None and good < limit:
