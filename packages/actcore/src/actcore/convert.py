@@ -169,9 +169,10 @@ def convert(
         attach_scope(model, spec, fewbit_bits=fewbit_bits, excluded=list(done.excluded.values()))
     report.scope = None if layers_only else repr(getattr(model, "act_scope", None))
     plan = model.__dict__.pop("act_memory_plan", None)  # every Q-layer at `level` again
-    for name, module in model.named_modules():  # and no block recomputed by a plan
-        if plan is not None and name in plan.recompute:
-            set_recompute(module, False)
+    if plan is not None and plan.recompute:  # and no block recomputed by a plan
+        for name, module in model.named_modules():
+            if name in plan.recompute:
+                set_recompute(module, False)
     model.act_report = report
     log.info("%s", report)
     return model

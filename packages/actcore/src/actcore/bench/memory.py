@@ -38,6 +38,7 @@ __all__ = [
     "resolve_device",
     "run",
     "show",
+    "sync_device",
     "title",
 ]
 
@@ -70,7 +71,8 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for ``device``'s work (CUDA); nothing on a CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -124,7 +126,7 @@ def measure_level(cfg: MemoryConfig, level: str, device: torch.device) -> dict[s
         loss.backward()
         del out, loss
         model.zero_grad(set_to_none=True)
-        _sync(device)
+        sync_device(device)
         row["retained_bytes"] = mem.retained_bytes
         # on the model's device (L4/swap move the rest to host memory: only CUDA shows it)
         row["device_bytes"] = sum(
@@ -135,10 +137,10 @@ def measure_level(cfg: MemoryConfig, level: str, device: torch.device) -> dict[s
         )
         times = []
         for _ in range(cfg.steps):
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             backprop()
-            _sync(device)
+            sync_device(device)
             times.append(time.perf_counter() - t0)
             if after_step is not None:
                 after_step(backprop)

@@ -17,17 +17,13 @@ from torch import nn
 
 from .. import memory as act_memory
 from ..ops import reset_seed_stream
+from .memory import sync_device
 from .tasks import Task, lr_lambda
 from .train_config import TrainConfig, Variant, applied_variant, resolve_device
 
 __all__ = ["GRAD_CLIP", "measure_memory", "train_run"]
 
 GRAD_CLIP = 1.0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _profiler_bytes(prof: Any, device: torch.device) -> int:
@@ -61,11 +57,11 @@ def measure_memory(task: Task, model: nn.Module, device: torch.device) -> dict[s
         activities.append(ProfilerActivity.CUDA)
     model.train()
     gc.collect()
-    _sync(device)
+    sync_device(device)
     with profile(activities=activities, profile_memory=True) as prof:
         with act_memory.track(model) as mem:
             loss = task.loss(model, x.clone(), y.clone())
-        _sync(device)
+        sync_device(device)
     profiler = _profiler_bytes(prof, device) - loss.nelement() * loss.element_size()
     loss.backward()
     model.zero_grad(set_to_none=True)
@@ -114,7 +110,7 @@ def train_run(
                 loss.backward()
                 return loss.detach()
 
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             loss = backprop()
             if iterate is not None:  # the Controller re-plans bits here (grads restored)

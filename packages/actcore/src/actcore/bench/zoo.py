@@ -41,6 +41,7 @@ __all__ = [
     "check_variant",
     "checkpoint_blocks",
     "columns",
+    "grad_cosine",
     "main",
     "measure_model",
     "register",
@@ -111,7 +112,9 @@ def _forward_backward(
     return out.detach(), profiled, tracked.retained_bytes, grads
 
 
-def _cosine(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+def grad_cosine(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+    """Cosine of two lists of gradients (None where a parameter has none), in float64: over
+    millions of entries a float32 cosine can read above 1."""
     pairs = [(u, v) for u, v in zip(a, b, strict=True) if u is not None and v is not None]
     x = torch.cat([u.flatten().double() for u, _ in pairs])
     y = torch.cat([v.flatten().double() for _, v in pairs])
@@ -165,7 +168,7 @@ def measure_model(
             ref = {"out": out, "bytes": profiled, "grads": grads, "time": row["step_time_s"]}
         row["ratio"] = ref["bytes"] / profiled if profiled > 0 else None
         row["forward_equal"] = bool(torch.equal(out, ref["out"]))
-        row["grad_cosine"] = _cosine(ref["grads"], grads)
+        row["grad_cosine"] = grad_cosine(ref["grads"], grads)
         row["grads_finite"] = all(g is None or bool(torch.isfinite(g).all()) for g in grads)
         if ref["time"] and row["step_time_s"]:
             row["time_vs_fp"] = row["step_time_s"] / ref["time"]

@@ -41,19 +41,29 @@ def forward_of(example_inputs: Any) -> Callable[[nn.Module], Any]:
 
 
 @contextlib.contextmanager
-def preserved(model: nn.Module) -> Iterator[None]:
-    """Undo what forwards do besides computing: buffer updates (batch-norm statistics) and
-    draws from torch's generators (dropout)."""
+def preserved(model: nn.Module, layers: Mapping[str, QLayer]) -> Iterator[None]:
+    """Undo what planning forwards leave behind: buffer updates (batch-norm statistics),
+    draws from torch's generators (dropout), and the levels of ``layers`` and the blocks
+    recomputed that they were measured at. Inside, no block starts recomputed (a plan is
+    made from scratch); after, the model is as before, and a plan sets its own."""
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    levels = {n: m.act_spec for n, m in layers.items()}
+    recomputed = {id(m) for m in model.modules() if is_recomputed(m)}
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         try:
+            for m in model.modules():
+                set_recompute(m, False)
             yield
         finally:
             with torch.no_grad():
                 for n, b in model.named_buffers():
                     if n in buffers:
                         b.copy_(buffers[n])
+            for n, m in layers.items():
+                m.act_spec = levels[n]
+            for m in model.modules():
+                set_recompute(m, id(m) in recomputed)
 
 
 def fit_budget(
@@ -91,28 +101,20 @@ def fit_budget(
     names, layers = planned_layers(model, levels)
     blocks = allowed_blocks(model, recompute)
     forward = forward_of(example_inputs)
-    before = {n: m.act_spec for n, m in layers.items()}
-    was_recomputed = [n for n, m in model.named_modules() if is_recomputed(m)]
-    chosen: list[str] = []
+    chosen: list[str] = []  # the blocks recomputed in the configuration measured next
+    measured: dict[tuple, tuple[int, dict[str, int]]] = {}
 
     def kept(config: Mapping[str, str]) -> tuple[int, dict[str, int]]:
-        for name in blocks:
-            set_recompute(model.get_submodule(name), name in chosen)
-        return measure(model, layers, forward, config)
+        """(Forwards are seeded, so a configuration measured once is not measured again.)"""
+        key = (tuple(chosen), tuple(config[n] for n in layers))
+        if key not in measured:
+            for name in blocks:
+                set_recompute(model.get_submodule(name), name in chosen)
+            measured[key] = measure(model, layers, forward, config)
+        return measured[key]
 
-    done = False
-    try:
-        for name in was_recomputed:  # planned from scratch: what a plan set before is undone
-            set_recompute(model.get_submodule(name), False)
-        with preserved(model):
-            plan = _plan(kept, chosen, list(layers), names, blocks, budget_bytes)
-        done = True
-    finally:
-        if not done:  # an error (or an infeasible budget): the model as it was
-            for n, m in layers.items():
-                m.act_spec = before[n]
-            for name, module in model.named_modules():
-                set_recompute(module, name in was_recomputed)
+    with preserved(model, layers):
+        plan = _plan(kept, chosen, list(layers), names, blocks, budget_bytes)
     plan.apply(model)
     return plan
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..memory import format_bytes
-from .checkpointing import is_recomputed, set_recompute
+from .checkpointing import set_recompute
 from .plan import MemoryPlan, parse_bytes
 from .search import (
     allowed_blocks,
@@ -62,12 +62,12 @@ def max_batch(
 
     ``make_inputs(batch)`` returns the example inputs of a batch of that size (a tensor, a
     tuple of positional arguments, a dict of keyword arguments, or a callable
-    ``forward(model)``). A size fits when a forward of its inputs, every Q-layer at the
-    coarsest of ``levels`` and every block ``recompute`` allows recomputed (see
-    :func:`fit_budget`), keeps at most ``budget`` bytes; sizes grow by doubling from
-    ``start`` (default ``multiple_of``) until one does not fit (or ``limit``), then a
-    bisection finds the last that does, in steps of ``multiple_of``. The plan for that size is :func:`fit_budget`'s: the
-    finest levels that fit. ``budget``: bytes or a string such as ``"6GiB"``; ``None``,
+    ``forward(model)``). A size fits when a forward of its inputs keeps at most ``budget``
+    bytes with every Q-layer at the coarsest of ``levels``, or, where that keeps less, with
+    every block ``recompute`` allows recomputed (see :func:`fit_budget`); sizes grow by
+    doubling from ``start`` (default ``multiple_of``) until one does not fit (or ``limit``),
+    then a bisection finds the last that does, in steps of ``multiple_of``. The plan for
+    that size is :func:`fit_budget`'s: the finest levels that fit. ``budget``: bytes or a string such as ``"6GiB"``; ``None``,
     :func:`default_budget` (a CUDA model). What the budget bounds is what the forward keeps
     for backward, as :func:`fit_budget` measures it, not the step's transient peak.
 
@@ -125,8 +125,6 @@ def _largest(
     # saves bytes: a recomputed block keeps its input exact) every allowed block recomputed
     coarsest = dict.fromkeys(layers, names[-1])
     recomputed = {n: names[0] if inside(n, blocks) else names[-1] for n in layers}
-    before = {n: m.act_spec for n, m in layers.items()}
-    was_recomputed = {n for n, m in model.named_modules() if is_recomputed(m)}
     measured: dict[int, int] = {}
 
     def kept(forward: Callable[[nn.Module], Any], on: bool, config: dict[str, str]) -> int:
@@ -142,38 +140,29 @@ def _largest(
                 measured[size] = min(measured[size], kept(forward, True, recomputed))
         return measured[size] <= budget_bytes
 
-    try:
-        for module in model.modules():
-            set_recompute(module, False)
-        with preserved(model):
-            if not fits(start):
-                raise ValueError(
-                    f"no {what} fits a budget of {format_bytes(budget_bytes)}: a {what} of "
-                    f"{start} keeps at least {format_bytes(measured[start])} (every Q-layer "
-                    f"at {names[-1]}"
-                    + (f", or {len(blocks)} blocks recomputed)" if blocks else ")")
-                )
-            good, bad = start, None  # good fits; bad (once found) does not
-            while bad is None and good < limit:
-                step = min(limit, good * 2) // multiple_of * multiple_of
-                if step <= good:
-                    break
-                if fits(step):
-                    good = step
-                else:
-                    bad = step
-            while bad is not None and bad - good > multiple_of:
-                mid = (good + bad) // 2 // multiple_of * multiple_of
-                if mid <= good:
-                    break
-                if fits(mid):
-                    good = mid
-                else:
-                    bad = mid
-    finally:
-        for n, m in layers.items():
-            m.act_spec = before[n]
-        for name, module in model.named_modules():
-            set_recompute(module, name in was_recomputed)
+    with preserved(model, layers):
+        if not fits(start):
+            raise ValueError(
+                f"no {what} fits a budget of {format_bytes(budget_bytes)}: a {what} of "
+                f"{start} keeps at least {format_bytes(measured[start])} (every Q-layer "
+                f"at {names[-1]}" + (f", or {len(blocks)} blocks recomputed)" if blocks else ")")
+            )
+        good, bad = start, None  # good fits; bad (once found) does not
+        while bad is None and good < limit:
+            step = min(limit, good * 2) // multiple_of * multiple_of
+            if step <= good:
+                break
+            if fits(step):
+                good = step
+            else:
+                bad = step
+        while bad is not None and bad - good > multiple_of:
+            mid = (good + bad) // 2 // multiple_of * multiple_of
+            if mid <= good:
+                break
+            if fits(mid):
+                good = mid
+            else:
+                bad = mid
     plan = fit_budget(model, make_inputs(good), budget_bytes, levels=names, recompute=blocks)
     return good, plan
