@@ -17,7 +17,8 @@ and peak memory for plain, checkpointing, L2, L3, L3 with its zero-value counts 
 bf16 autocast: memory kept for backward and step time for sdpa, checkpointing, ACT,
 checkpointing + ACT), ``profile`` (host against kernel time of an L3 step, top ops),
 ``peak-trace`` (where a batch-512 step peaks), ``max-batch-*`` (ResNet-50's largest batch,
-plain, checkpointing, L3). Output: ``DIR/gpu-check.json`` and ``DIR/gpu-check.txt``.
+plain, checkpointing, L3), ``budget`` (fit_budget's plans and max_batch at the default
+budget, against what a step allocates). Output: ``DIR/gpu-check.json`` and ``DIR/gpu-check.txt``.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ PARTS: list[tuple[str, int]] = [
     ("max-batch-fp", 40),
     ("max-batch-ckpt", 40),
     ("max-batch-L3", 60),
+    ("budget", 150),
 ]
 
 
@@ -781,6 +783,100 @@ def _max_batch(variant: str, dry: bool, out: Path) -> dict[str, Any]:
     return state
 
 
+def part_budget(dry: bool, out: Path) -> dict[str, Any]:
+    """actcore's memory planner on the device (ResNet-50, bf16 autocast): ``fit_budget``'s
+    plans at budgets from the exact bytes down to the least L3 keeps, each with its
+    predicted bytes against what a forward leaves allocated (``memory_allocated``) and the
+    step's peak; then ``max_batch`` at the default budget (free memory less gradients) and
+    whether a step of that batch, and of smaller ones, fits."""
+    import torch
+    import torchvision
+
+    import actcore
+    from actcore.bench import maxbatch
+
+    device = _device(dry)
+    batch, size = (4, 32) if dry else (128, 224)
+    torch.manual_seed(0)
+    model = (torchvision.models.resnet18() if dry else torchvision.models.resnet50()).to(device)
+    model.train()
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+
+    def forward(m: Any, x: Any = x) -> Any:
+        with _autocast(device):
+            return m(x)
+
+    step = _classifier_step(model, x, y, device)
+    result: dict[str, Any] = {"batch": batch, "image_size": size, "plans": []}
+    t0 = time.perf_counter()
+    first = actcore.fit_budget(model, forward, 2**50, recompute=False)
+    result["plan_seconds_first"] = time.perf_counter() - t0
+    exact, smallest = first.exact_bytes, first.smallest_bytes
+    result.update(exact_bytes=exact, smallest_bytes=smallest)
+    for frac in (1.0, 0.5, 0.3, 0.2, 0.0):
+        budget = int(smallest + frac * (exact - smallest)) if frac else int(smallest * 1.02)
+        t0 = time.perf_counter()
+        plan = actcore.fit_budget(model, forward, budget, recompute=False)
+        row: dict[str, Any] = {
+            "budget": budget,
+            "plan_seconds": time.perf_counter() - t0,
+            "predicted_bytes": plan.kept_bytes,
+            "levels": {
+                lv: list(plan.levels.values()).count(lv) for lv in set(plan.levels.values())
+            },
+        }
+        step()
+        step()
+        row["held_bytes"] = _held(model, x, device)
+        row.update(_peak(step, device))
+        row["step_time_s"] = _median_time(step, device, 1 if dry else 3)
+        if row["held_bytes"]:
+            row["held_over_predicted"] = row["held_bytes"] / plan.kept_bytes
+            row["peak_over_budget"] = row["peak_above_start_bytes"] / budget
+        result["plans"].append(row)
+        _write(out / "part-budget.partial.json", result)
+    model.zero_grad(set_to_none=True)
+    _free(device)
+
+    def inputs(b: int) -> Any:
+        xb = torch.randn(b, 3, size, size, device=device)
+        return lambda m: forward(m, xb)
+
+    budget = None if device.type == "cuda" else 4 * first.smallest_bytes
+    result["default_budget"] = actcore.budget.default_budget(model) if budget is None else budget
+    t0 = time.perf_counter()
+    try:
+        found, plan = actcore.max_batch(
+            model,
+            inputs,
+            budget,
+            start=64 if not dry else 2,
+            recompute=False,
+            multiple_of=64 if not dry else 2,
+        )
+        result["max_batch"] = found
+        result["max_batch_plan_kept"] = plan.kept_bytes
+    except Exception as err:  # recorded: the part goes on to what it can still measure
+        result["max_batch_error"] = repr(err)[:500]
+        found = 0
+    result["max_batch_seconds"] = time.perf_counter() - t0
+    _write(out / "part-budget.partial.json", result)
+    _free(device)
+    cfg = maxbatch.MaxBatchConfig(amp="bf16", device=str(device))
+    steps = []
+    b = found
+    while b >= 1 and len(steps) < 4 and not dry:
+        seconds = maxbatch.fits(model, (3, size, size), 1000, b, cfg)
+        steps.append({"batch": b, "fits": seconds is not None, "step_time_s": seconds})
+        _write(out / "part-budget.partial.json", {**result, "steps": steps})
+        if seconds is not None:
+            break
+        b = b * 3 // 4 // 64 * 64
+    result["steps"] = steps
+    return result
+
+
 PART_FUNCS: dict[str, Callable[[bool, Path], dict[str, Any]]] = {
     "env": part_env,
     "build": part_build,
@@ -795,6 +891,7 @@ PART_FUNCS: dict[str, Callable[[bool, Path], dict[str, Any]]] = {
     "max-batch-fp": lambda dry, out: _max_batch("fp", dry, out),
     "max-batch-ckpt": lambda dry, out: _max_batch("ckpt", dry, out),
     "max-batch-L3": lambda dry, out: _max_batch("L3", dry, out),
+    "budget": part_budget,
 }
 
 
@@ -838,6 +935,21 @@ def summary(results: dict[str, Any]) -> list[str]:
             batches[variant] = res["max_batch"]
     if batches:
         lines.append("max batch: " + ", ".join(f"{k} {v}" for k, v in batches.items()))
+    budget = (get("budget") or {}).get("result") or {}
+    for row in budget.get("plans", []):
+        held = row.get("held_over_predicted")
+        peak = row.get("peak_over_budget")
+        lines.append(
+            f"plan budget {row['budget'] / 2**20:8.0f} MiB: predicted "
+            f"{row['predicted_bytes'] / 2**20:8.0f} MiB"
+            + (f", held x{held:.3f} of it, peak x{peak:.2f} of the budget" if held else "")
+        )
+    if "max_batch" in budget:
+        fitted = [s["batch"] for s in budget.get("steps", []) if s["fits"]]
+        lines.append(
+            f"max_batch at the default budget: {budget['max_batch']} "
+            f"({budget['max_batch_seconds']:.0f} s); a step fits at {fitted or 'none tried'}"
+        )
     return lines
 
 

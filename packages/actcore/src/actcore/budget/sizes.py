@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -134,14 +135,25 @@ def _largest(
 
     def fits(size: int) -> bool:
         if size not in measured:
-            forward = forward_of(make_inputs(size))
-            measured[size] = kept(forward, False, coarsest)
-            if blocks and measured[size] > budget_bytes:
-                measured[size] = min(measured[size], kept(forward, True, recomputed))
-        return measured[size] <= budget_bytes
+            try:
+                forward = forward_of(make_inputs(size))
+                measured[size] = kept(forward, False, coarsest)
+                if blocks and measured[size] > budget_bytes:
+                    measured[size] = min(measured[size], kept(forward, True, recomputed))
+            except torch.cuda.OutOfMemoryError:
+                measured[size] = -1  # its forward alone does not fit the device
+            if measured[size] < 0:  # cleaned up once the exception's frames are gone
+                gc.collect()
+                torch.cuda.empty_cache()
+        return 0 <= measured[size] <= budget_bytes
 
     with preserved(model, layers):
         if not fits(start):
+            if measured[start] < 0:
+                raise ValueError(
+                    f"no {what} fits: the forward of a {what} of {start} runs out of device "
+                    f"memory (every Q-layer at {names[-1]})"
+                )
             raise ValueError(
                 f"no {what} fits a budget of {format_bytes(budget_bytes)}: a {what} of "
                 f"{start} keeps at least {format_bytes(measured[start])} (every Q-layer "
