@@ -17,8 +17,8 @@ and peak memory for plain, checkpointing, L2, L3, L3 with its zero-value counts 
 bf16 autocast: memory kept for backward and step time for sdpa, checkpointing, ACT,
 checkpointing + ACT), ``profile`` (host against kernel time of an L3 step, top ops),
 ``peak-trace`` (where a batch-512 step peaks), ``max-batch-*`` (ResNet-50's largest batch,
-plain, checkpointing, L3), ``budget`` (fit_budget's plans and max_batch at the default
-budget, against what a step allocates). Output: ``DIR/gpu-check.json`` and ``DIR/gpu-check.txt``.
+plain, checkpointing, L3), ``budget`` (fit_budget's plans on a step's peak and max_batch at the
+default budget, against what a step allocates). Output: ``DIR/gpu-check.json`` and ``DIR/gpu-check.txt``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ PARTS: list[tuple[str, int]] = [
     ("max-batch-fp", 40),
     ("max-batch-ckpt", 40),
     ("max-batch-L3", 60),
-    ("budget", 150),
+    ("budget", 240),
 ]
 
 
@@ -785,21 +785,25 @@ def _max_batch(variant: str, dry: bool, out: Path) -> dict[str, Any]:
 
 def part_budget(dry: bool, out: Path) -> dict[str, Any]:
     """actcore's memory planner on the device (ResNet-50, bf16 autocast): ``fit_budget``'s
-    plans at budgets from the exact bytes down to the least L3 keeps, each with its
-    predicted bytes against what a forward leaves allocated (``memory_allocated``) and the
-    step's peak; then ``max_batch`` at the default budget (free memory less gradients) and
-    whether a step of that batch, and of smaller ones, fits."""
+    plans on a step's peak (``bound="peak"``) at budgets from the exact step's peak down to
+    the least plan's, each with its predicted peak against the peak of a training step
+    (``max_memory_allocated``, gradients allocated before it); then ``max_batch`` at the
+    default budget (free memory less gradients, on the peak) and whether a step of that
+    batch, and of smaller ones, fits."""
     import torch
     import torchvision
 
     import actcore
     from actcore.bench import maxbatch
+    from actcore.budget import step_peak
+    from actcore.layers.base import QLayer
 
     device = _device(dry)
     batch, size = (4, 32) if dry else (128, 224)
     torch.manual_seed(0)
     model = (torchvision.models.resnet18() if dry else torchvision.models.resnet50()).to(device)
     model.train()
+    actcore.convert(model, level="L0")
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 1000, (batch,), device=device)
 
@@ -807,21 +811,36 @@ def part_budget(dry: bool, out: Path) -> dict[str, Any]:
         with _autocast(device):
             return m(x)
 
-    step = _classifier_step(model, x, y, device)
+    def step() -> None:  # gradients kept (zeroed in place): the peak step_peak plans
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        with _autocast(device):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+
+    def uniform(level: str) -> int:
+        for m in model.modules():
+            if isinstance(m, QLayer):
+                m.act_level = level
+        return step_peak(model, forward)
+
     result: dict[str, Any] = {"batch": batch, "image_size": size, "plans": []}
-    t0 = time.perf_counter()
-    first = actcore.fit_budget(model, forward, 2**50, recompute=False)
-    result["plan_seconds_first"] = time.perf_counter() - t0
-    exact, smallest = first.exact_bytes, first.smallest_bytes
-    result.update(exact_bytes=exact, smallest_bytes=smallest)
-    for frac in (1.0, 0.5, 0.3, 0.2, 0.0):
-        budget = int(smallest + frac * (exact - smallest)) if frac else int(smallest * 1.02)
+    exact, least = uniform("L0"), uniform("L3")
+    result.update(exact_peak_bytes=exact, least_peak_bytes=least)
+    for frac in (1.0, 0.6, 0.3, 0.1, 0.0):
+        budget = int(least + frac * (exact - least)) + (0 if frac else 2**20)
         t0 = time.perf_counter()
-        plan = actcore.fit_budget(model, forward, budget, recompute=False)
+        try:
+            plan = actcore.fit_budget(model, forward, budget, recompute=False, bound="peak")
+        except ValueError as err:
+            result["plans"].append({"budget": budget, "error": str(err)[:300]})
+            continue
         row: dict[str, Any] = {
             "budget": budget,
             "plan_seconds": time.perf_counter() - t0,
             "predicted_bytes": plan.kept_bytes,
+            "predicted_peak_bytes": plan.peak_bytes,
             "levels": {
                 lv: list(plan.levels.values()).count(lv) for lv in set(plan.levels.values())
             },
@@ -829,6 +848,7 @@ def part_budget(dry: bool, out: Path) -> dict[str, Any]:
         step()
         step()
         row["held_bytes"] = _held(model, x, device)
+        step()
         row.update(_peak(step, device))
         row["step_time_s"] = _median_time(step, device, 1 if dry else 3)
         if row["held_bytes"]:
@@ -843,36 +863,36 @@ def part_budget(dry: bool, out: Path) -> dict[str, Any]:
         xb = torch.randn(b, 3, size, size, device=device)
         return lambda m: forward(m, xb)
 
-    budget = None if device.type == "cuda" else 4 * first.smallest_bytes
+    budget = None if device.type == "cuda" else least + 2**20
     result["default_budget"] = actcore.budget.default_budget(model) if budget is None else budget
     t0 = time.perf_counter()
+    found = 0
     try:
         found, plan = actcore.max_batch(
             model,
             inputs,
             budget,
-            start=64 if not dry else 2,
+            start=1024 if not dry else 2,
+            multiple_of=256 if not dry else 2,
             recompute=False,
-            multiple_of=64 if not dry else 2,
+            bound="peak",
         )
-        result["max_batch"] = found
-        result["max_batch_plan_kept"] = plan.kept_bytes
+        result.update(max_batch=found, max_batch_plan=plan.state_dict())
     except Exception as err:  # recorded: the part goes on to what it can still measure
         result["max_batch_error"] = repr(err)[:500]
-        found = 0
     result["max_batch_seconds"] = time.perf_counter() - t0
     _write(out / "part-budget.partial.json", result)
     _free(device)
     cfg = maxbatch.MaxBatchConfig(amp="bf16", device=str(device))
     steps = []
     b = found
-    while b >= 1 and len(steps) < 4 and not dry:
+    while b >= 1 and len(steps) < 3 and not dry:
         seconds = maxbatch.fits(model, (3, size, size), 1000, b, cfg)
         steps.append({"batch": b, "fits": seconds is not None, "step_time_s": seconds})
         _write(out / "part-budget.partial.json", {**result, "steps": steps})
         if seconds is not None:
             break
-        b = b * 3 // 4 // 64 * 64
+        b = b * 7 // 8 // 256 * 256
     result["steps"] = steps
     return result
 
@@ -937,12 +957,16 @@ def summary(results: dict[str, Any]) -> list[str]:
         lines.append("max batch: " + ", ".join(f"{k} {v}" for k, v in batches.items()))
     budget = (get("budget") or {}).get("result") or {}
     for row in budget.get("plans", []):
+        if "error" in row:
+            lines.append(f"plan peak budget {row['budget'] / 2**20:8.0f} MiB: {row['error']}")
+            continue
         held = row.get("held_over_predicted")
         peak = row.get("peak_over_budget")
         lines.append(
-            f"plan budget {row['budget'] / 2**20:8.0f} MiB: predicted "
-            f"{row['predicted_bytes'] / 2**20:8.0f} MiB"
-            + (f", held x{held:.3f} of it, peak x{peak:.2f} of the budget" if held else "")
+            f"plan peak budget {row['budget'] / 2**20:8.0f} MiB: kept "
+            f"{row['predicted_bytes'] / 2**20:8.0f} MiB, step peak "
+            f"{row['predicted_peak_bytes'] / 2**20:8.0f} MiB"
+            + (f"; held x{held:.3f} of it, peak x{peak:.3f} of the budget" if held else "")
         )
     if "max_batch" in budget:
         fitted = [s["batch"] for s in budget.get("steps", []) if s["fits"]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,15 @@ from ..layers.base import QLayer
 from ..memory import format_bytes
 from .checkpointing import is_recomputed, set_recompute
 
-__all__ = ["MemoryPlan", "parse_bytes"]
+__all__ = ["BOUNDS", "OUT_OF_MEMORY", "MemoryPlan", "parse_bytes"]
+
+OUT_OF_MEMORY = sys.maxsize
+"""The bytes a configuration counts as keeping when its forward runs out of device memory:
+more than any budget."""
+
+BOUNDS = ("kept", "peak")
+"""What a memory budget bounds: the bytes a forward keeps for backward, or the peak of a
+whole training step above its start."""
 
 _UNITS = {
     "": 1,
@@ -60,6 +69,8 @@ class MemoryPlan:
     exact_bytes: int  # ... with every Q-layer at the finest candidate level
     smallest_bytes: int  # ... the least any plan of these candidates keeps
     recompute: Sequence[str] = field(default=())  # blocks recomputed in backward
+    bound: str = "kept"  # what the budget bounds: "kept" bytes or a step's "peak"
+    peak_bytes: int | None = None  # the step's measured peak (bound "peak")
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Set each planned Q-layer of ``model`` to its level, recompute exactly the plan's
@@ -107,6 +118,8 @@ class MemoryPlan:
             "exact_bytes": self.exact_bytes,
             "smallest_bytes": self.smallest_bytes,
             "recompute": list(self.recompute),
+            "bound": self.bound,
+            "peak_bytes": self.peak_bytes,
         }
 
     @classmethod
@@ -116,17 +129,36 @@ class MemoryPlan:
         missing = [f for f in fields if f not in state]
         if missing:
             raise KeyError(f"a saved memory plan lacks {missing}; it has {sorted(state)}")
-        return cls(**{f: state[f] for f in fields}, recompute=tuple(state.get("recompute", ())))
+        return cls(
+            **{f: state[f] for f in fields},
+            recompute=tuple(state.get("recompute", ())),
+            bound=state.get("bound", "kept"),
+            peak_bytes=state.get("peak_bytes"),
+        )
 
-    def __str__(self) -> str:
+    def describe(self) -> str:
+        """How many Q-layers are at each level, and the blocks recomputed."""
         counts: dict[str, int] = {}
         for level in self.levels.values():
             counts[level] = counts.get(level, 0) + 1
         spread = ", ".join(f"{n} at {level}" for level, n in sorted(counts.items()))
         if self.recompute:
             spread += f"; {len(self.recompute)} blocks recomputed ({', '.join(self.recompute)})"
+        return spread
+
+    def __str__(self) -> str:
+        peak = (
+            f", a step peaking at {format_bytes(self.peak_bytes)}"
+            if self.peak_bytes is not None
+            else ""
+        )
+        exact = (
+            "runs out of device memory"
+            if self.exact_bytes == OUT_OF_MEMORY
+            else format_bytes(self.exact_bytes)
+        )
         return (
-            f"MemoryPlan: keeps {format_bytes(self.kept_bytes)} for a budget of "
-            f"{format_bytes(self.budget)} (exact {format_bytes(self.exact_bytes)}, smallest "
-            f"reachable {format_bytes(self.smallest_bytes)}); {spread}"
+            f"MemoryPlan: keeps {format_bytes(self.kept_bytes)}{peak} for a {self.bound} "
+            f"budget of {format_bytes(self.budget)} (exact {exact}, "
+            f"smallest reachable {format_bytes(self.smallest_bytes)}); {self.describe()}"
         )

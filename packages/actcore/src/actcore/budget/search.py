@@ -4,6 +4,8 @@ keeps at most a budget of bytes, measured (the package docstring says how)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -17,9 +19,11 @@ from ..convert import convert
 from ..layers.base import QLayer
 from ..memory import format_bytes, track
 from .checkpointing import candidate_blocks, is_recomputed, set_recompute
-from .plan import MemoryPlan, parse_bytes
+from .peak import step_peak
+from .plan import BOUNDS, OUT_OF_MEMORY, MemoryPlan, parse_bytes
 
 __all__ = [
+    "OUT_OF_MEMORY",
     "allowed_blocks",
     "fit_budget",
     "forward_of",
@@ -27,7 +31,10 @@ __all__ = [
     "measure",
     "planned_layers",
     "preserved",
+    "step_peak_at",
 ]
+
+_PEAK_TRIES = 6
 
 
 def forward_of(example_inputs: Any) -> Callable[[nn.Module], Any]:
@@ -73,11 +80,13 @@ def fit_budget(
     *,
     levels: Sequence[str] = ("L0", "L1", "L2", "L3"),
     recompute: bool | Sequence[str] = True,
+    bound: str = "kept",
 ) -> MemoryPlan:
     """Choose each Q-layer's level, and where compression alone cannot fit the blocks to
     recompute in backward, so that a forward of ``example_inputs`` keeps at most ``budget``
-    bytes for backward, keeping as many layers as fine as the budget allows; set the plan
-    on ``model`` and return the :class:`MemoryPlan`.
+    bytes for backward (``bound="kept"``), or so that a whole training step peaks at most
+    ``budget`` bytes above its start (``bound="peak"``), keeping as many layers as fine as
+    the budget allows; set the plan on ``model`` and return the :class:`MemoryPlan`.
 
     ``model``: a model converted at the finest of ``levels`` (what no Q-layer saves is kept
     at the level it was converted at, so the finest end of the plan is that level
@@ -94,9 +103,21 @@ def fit_budget(
     exact): the fewest that fit, the largest savings first, the Q-layers inside them exact
     (their saves are recomputed, not kept), the others planned in the rest.
 
-    Raises ValueError when even the least a plan can keep is more than ``budget``, naming
-    that smallest budget and how it is reached.
+    ``bound="peak"`` bounds what ``torch.cuda.max_memory_allocated`` sees during forward
+    and backward (on a CPU, the profiler's allocation records), less what was allocated
+    before the step, gradients included (:func:`~actcore.budget.step_peak`): what is kept
+    plus the backward's temporaries, which grow as more layers are compressed (each
+    decompresses what it kept). The plan is searched by bytes kept, its step measured, and
+    searched again with the measured excess taken off until a step fits; the plan records
+    that step's peak (``peak_bytes``). A configuration whose forward runs out of device
+    memory counts as not fitting.
+
+    Raises ValueError when even the least a plan can keep (or, with ``bound="peak"``, the
+    least plan's step) is more than ``budget``, naming that smallest budget and how it is
+    reached.
     """
+    if bound not in BOUNDS:
+        raise ValueError(f"bound must be one of {BOUNDS}, got {bound!r}")
     budget_bytes = parse_bytes(budget)
     names, layers = planned_layers(model, levels)
     blocks = allowed_blocks(model, recompute)
@@ -113,10 +134,57 @@ def fit_budget(
             measured[key] = measure(model, layers, forward, config)
         return measured[key]
 
+    def peak(plan: MemoryPlan) -> int:
+        for name in blocks:
+            set_recompute(model.get_submodule(name), name in plan.recompute)
+        return step_peak_at(model, layers, forward, plan.levels)
+
     with preserved(model, layers):
-        plan = _plan(kept, chosen, list(layers), names, blocks, budget_bytes)
+        if bound == "kept":
+            plan = _plan(kept, chosen, list(layers), names, blocks, budget_bytes)
+        else:
+            plan = _within_peak(
+                lambda target: _plan(kept, chosen, list(layers), names, blocks, target),
+                peak,
+                budget_bytes,
+            )
     plan.apply(model)
     return plan
+
+
+def _within_peak(
+    plan_for: Callable[[int], MemoryPlan], peak: Callable[[MemoryPlan], int], budget: int
+) -> MemoryPlan:
+    """The first plan by bytes kept whose step peaks within ``budget``: plan for a target,
+    measure the step, lower the target by what the step took beyond the budget, again."""
+
+    def fitted(plan: MemoryPlan, used: int) -> MemoryPlan:
+        return dataclasses.replace(plan, budget=budget, bound="peak", peak_bytes=used)
+
+    target = budget
+    for _ in range(_PEAK_TRIES):
+        plan = plan_for(target)  # ValueError: even what the least plan keeps is too much
+        used = peak(plan)
+        if used <= budget:
+            return fitted(plan, used)
+        if target <= plan.smallest_bytes:
+            break
+        transient = used - plan.kept_bytes if used != OUT_OF_MEMORY else target // 2
+        target = max(plan.smallest_bytes, min(target - 1, budget - transient))
+    else:  # not settled in _PEAK_TRIES plans: the plan that keeps the least decides
+        plan = plan_for(plan.smallest_bytes)
+        used = peak(plan)
+        if used <= budget:
+            return fitted(plan, used)
+    step = (
+        "runs out of device memory"
+        if used == OUT_OF_MEMORY
+        else f"peaks at {format_bytes(used)} ({used} bytes)"
+    )
+    raise ValueError(
+        f"a step peak of {format_bytes(budget)} cannot be met: the step of the plan that "
+        f"keeps the least ({format_bytes(plan.kept_bytes)}; {plan.describe()}) {step}"
+    )
 
 
 def allowed_blocks(model: nn.Module, recompute: bool | Sequence[str]) -> list[str]:
@@ -243,11 +311,38 @@ def measure(
     for n, m in layers.items():
         m.act_level = config[n]
     torch.manual_seed(0)  # every configuration measured on the same dropout draw
-    with track(model) as report:
-        out = forward(model)
-        settle(wait=True)  # CUDA: zero-value payloads at their exact size, as in training
-    del out
+    try:
+        with track(model) as report:
+            out = forward(model)
+            settle(wait=True)  # CUDA: zero-value payloads at their exact size, as in training
+        del out
+    except torch.cuda.OutOfMemoryError:
+        report = None  # freed below, once the exception's frames are gone
+    if report is None:
+        gc.collect()
+        torch.cuda.empty_cache()
+        return OUT_OF_MEMORY, {}
     return report.retained_bytes, dict(report.by_module)
+
+
+def step_peak_at(
+    model: nn.Module,
+    layers: Mapping[str, QLayer],
+    forward: Callable[[nn.Module], Any],
+    config: Mapping[str, str],
+) -> int:
+    """:func:`~actcore.budget.peak.step_peak` with each Q-layer at ``config``'s level
+    (:data:`OUT_OF_MEMORY` when the step runs out of device memory)."""
+    for n, m in layers.items():
+        m.act_level = config[n]
+    torch.manual_seed(0)
+    try:
+        return step_peak(model, forward)
+    except torch.cuda.OutOfMemoryError:
+        pass  # freed below, once the exception's frames are gone
+    gc.collect()
+    torch.cuda.empty_cache()
+    return OUT_OF_MEMORY
 
 
 def _search(

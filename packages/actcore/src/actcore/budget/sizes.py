@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,8 +10,9 @@ from torch import nn
 
 from ..memory import format_bytes
 from .checkpointing import set_recompute
-from .plan import MemoryPlan, parse_bytes
+from .plan import BOUNDS, MemoryPlan, parse_bytes
 from .search import (
+    OUT_OF_MEMORY,
     allowed_blocks,
     fit_budget,
     forward_of,
@@ -20,6 +20,7 @@ from .search import (
     measure,
     planned_layers,
     preserved,
+    step_peak_at,
 )
 
 __all__ = ["default_budget", "max_batch", "max_seq"]
@@ -57,6 +58,7 @@ def max_batch(
     limit: int = 2**20,
     multiple_of: int = 1,
     recompute: bool | Sequence[str] = True,
+    bound: str | None = None,
 ) -> tuple[int, MemoryPlan]:
     """The largest batch whose activations fit ``budget`` at some plan, and that plan (set
     on ``model``, as :func:`fit_budget` sets it).
@@ -68,14 +70,18 @@ def max_batch(
     every block ``recompute`` allows recomputed (see :func:`fit_budget`); sizes grow by
     doubling from ``start`` (default ``multiple_of``) until one does not fit (or ``limit``),
     then a bisection finds the last that does, in steps of ``multiple_of``. The plan for
-    that size is :func:`fit_budget`'s: the finest levels that fit. ``budget``: bytes or a string such as ``"6GiB"``; ``None``,
-    :func:`default_budget` (a CUDA model). What the budget bounds is what the forward keeps
-    for backward, as :func:`fit_budget` measures it, not the step's transient peak.
+    that size is :func:`fit_budget`'s: the finest levels that fit. ``budget``: bytes or a
+    string such as ``"6GiB"``; ``None``, :func:`default_budget` (a CUDA model). ``bound``:
+    what the budget bounds (see :func:`fit_budget`): ``"kept"``, the bytes a forward keeps
+    for backward; ``"peak"``, a whole step's peak, where a size fits when its step at that
+    least plan peaks within the budget too; ``None`` (default), ``"peak"`` for the default
+    budget (the device's free memory bounds the whole step) and ``"kept"`` for a given one.
+    A size whose forward or step runs out of device memory does not fit.
 
     Raises ValueError when even ``start`` does not fit, naming what it keeps.
     """
     return _largest(
-        model, make_inputs, budget, levels, start, limit, multiple_of, recompute, "batch"
+        model, make_inputs, budget, levels, start, limit, multiple_of, recompute, bound, "batch"
     )
 
 
@@ -89,12 +95,13 @@ def max_seq(
     limit: int = 2**20,
     multiple_of: int = 1,
     recompute: bool | Sequence[str] = True,
+    bound: str | None = None,
 ) -> tuple[int, MemoryPlan]:
     """:func:`max_batch` for a sequence length: ``make_inputs(length)`` returns the example
     inputs of that length (``multiple_of``: e.g. 64 for kernels that want aligned
     lengths)."""
     return _largest(
-        model, make_inputs, budget, levels, start, limit, multiple_of, recompute, "sequence"
+        model, make_inputs, budget, levels, start, limit, multiple_of, recompute, bound, "sequence"
     )
 
 
@@ -107,6 +114,7 @@ def _largest(
     limit: int,
     multiple_of: int,
     recompute: bool | Sequence[str],
+    bound: str | None,
     what: str,
 ) -> tuple[int, MemoryPlan]:
     if start is None:
@@ -119,6 +127,10 @@ def _largest(
             f"start ({start}) must be a multiple of multiple_of ({multiple_of}) and at most "
             f"limit ({limit})"
         )
+    if bound is None:
+        bound = "peak" if budget is None else "kept"
+    if bound not in BOUNDS:
+        raise ValueError(f"bound must be one of {BOUNDS} or None, got {bound!r}")
     budget_bytes = default_budget(model) if budget is None else parse_bytes(budget)
     names, layers = planned_layers(model, levels)
     blocks = allowed_blocks(model, recompute)
@@ -126,38 +138,45 @@ def _largest(
     # saves bytes: a recomputed block keeps its input exact) every allowed block recomputed
     coarsest = dict.fromkeys(layers, names[-1])
     recomputed = {n: names[0] if inside(n, blocks) else names[-1] for n in layers}
-    measured: dict[int, int] = {}
+    measured: dict[int, int] = {}  # size -> the least its forward keeps
+    peaks: dict[int, int] = {}  # size -> its step's peak at that plan (bound "peak")
 
-    def kept(forward: Callable[[nn.Module], Any], on: bool, config: dict[str, str]) -> int:
+    def configure(on: bool) -> dict[str, str]:
         for name in blocks:
             set_recompute(model.get_submodule(name), on)
-        return measure(model, layers, forward, config)[0]
+        return recomputed if on else coarsest
 
     def fits(size: int) -> bool:
         if size not in measured:
-            try:
-                forward = forward_of(make_inputs(size))
-                measured[size] = kept(forward, False, coarsest)
-                if blocks and measured[size] > budget_bytes:
-                    measured[size] = min(measured[size], kept(forward, True, recomputed))
-            except torch.cuda.OutOfMemoryError:
-                measured[size] = -1  # its forward alone does not fit the device
-            if measured[size] < 0:  # cleaned up once the exception's frames are gone
-                gc.collect()
-                torch.cuda.empty_cache()
-        return 0 <= measured[size] <= budget_bytes
+            forward = forward_of(make_inputs(size))
+            least, on = measure(model, layers, forward, configure(False))[0], False
+            if blocks and least > budget_bytes:
+                again = measure(model, layers, forward, configure(True))[0]
+                least, on = min(least, again), again < least
+            measured[size] = least
+            if bound == "peak" and least <= budget_bytes:
+                peaks[size] = step_peak_at(model, layers, forward, configure(on))
+        return measured[size] <= budget_bytes and peaks.get(size, 0) <= budget_bytes
 
     with preserved(model, layers):
         if not fits(start):
-            if measured[start] < 0:
+            least = measured[start]
+            if max(least, peaks.get(start, 0)) == OUT_OF_MEMORY:
                 raise ValueError(
-                    f"no {what} fits: the forward of a {what} of {start} runs out of device "
-                    f"memory (every Q-layer at {names[-1]})"
+                    f"no {what} fits: a {what} of {start} runs out of device memory (every "
+                    f"Q-layer at {names[-1]}" + (", or blocks recomputed)" if blocks else ")")
+                )
+            how = f"every Q-layer at {names[-1]}" + (
+                f", or {len(blocks)} blocks recomputed" if blocks else ""
+            )
+            if least <= budget_bytes:
+                raise ValueError(
+                    f"no {what} fits a step peak of {format_bytes(budget_bytes)}: the step of "
+                    f"a {what} of {start} peaks at {format_bytes(peaks[start])} ({how})"
                 )
             raise ValueError(
                 f"no {what} fits a budget of {format_bytes(budget_bytes)}: a {what} of "
-                f"{start} keeps at least {format_bytes(measured[start])} (every Q-layer "
-                f"at {names[-1]}" + (f", or {len(blocks)} blocks recomputed)" if blocks else ")")
+                f"{start} keeps at least {format_bytes(least)} ({how})"
             )
         good, bad = start, None  # good fits; bad (once found) does not
         while bad is None and good < limit:
@@ -176,5 +195,7 @@ def _largest(
                 good = mid
             else:
                 bad = mid
-    plan = fit_budget(model, make_inputs(good), budget_bytes, levels=names, recompute=blocks)
+    plan = fit_budget(
+        model, make_inputs(good), budget_bytes, levels=names, recompute=blocks, bound=bound
+    )
     return good, plan
