@@ -135,10 +135,15 @@ def _peak(step: Callable[[], None], device: Any) -> dict[str, int | None]:
     _sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     start = torch.cuda.memory_allocated(device)
+    reserved = torch.cuda.memory_reserved(device)
     step()
     _sync(device)
     peak = torch.cuda.max_memory_allocated(device)
-    return {"peak_bytes": peak, "peak_above_start_bytes": peak - start}
+    return {
+        "peak_bytes": peak,
+        "peak_above_start_bytes": peak - start,
+        "reserved_peak_above_start_bytes": torch.cuda.max_memory_reserved(device) - reserved,
+    }
 
 
 def _held(model: Any, x: Any, device: Any) -> int | None:
@@ -794,7 +799,6 @@ def part_budget(dry: bool, out: Path) -> dict[str, Any]:
     import torchvision
 
     import actcore
-    from actcore.bench import maxbatch
     from actcore.budget import step_peak
     from actcore.layers.base import QLayer
 
@@ -849,6 +853,7 @@ def part_budget(dry: bool, out: Path) -> dict[str, Any]:
         step()
         row["held_bytes"] = _held(model, x, device)
         step()
+        _free(device)  # the reserved peak from an empty cache, as step_peak measures it
         row.update(_peak(step, device))
         row["step_time_s"] = _median_time(step, device, 1 if dry else 3)
         if row["held_bytes"]:
@@ -883,18 +888,47 @@ def part_budget(dry: bool, out: Path) -> dict[str, Any]:
     result["max_batch_seconds"] = time.perf_counter() - t0
     _write(out / "part-budget.partial.json", result)
     _free(device)
-    cfg = maxbatch.MaxBatchConfig(amp="bf16", device=str(device))
     steps = []
     b = found
     while b >= 1 and len(steps) < 3 and not dry:
-        seconds = maxbatch.fits(model, (3, size, size), 1000, b, cfg)
-        steps.append({"batch": b, "fits": seconds is not None, "step_time_s": seconds})
+        steps.append(_budget_step(model, b, size, device))
         _write(out / "part-budget.partial.json", {**result, "steps": steps})
-        if seconds is not None:
+        if steps[-1]["fits"]:
             break
         b = b * 7 // 8 // 256 * 256
     result["steps"] = steps
     return result
+
+
+def _budget_step(model: Any, batch: int, size: int, device: Any) -> dict[str, Any]:
+    """One training step of ``batch`` images (bf16 autocast, gradients set to None before):
+    its time and peaks, or the out-of-memory message and what the allocator held then."""
+    import torch
+
+    row: dict[str, Any] = {"batch": batch, "fits": False}
+    _free(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    oom = None
+    try:
+        x = torch.randn(batch, 3, size, size, device=device)
+        y = torch.randint(0, 1000, (batch,), device=device)
+        _sync(device)
+        t0 = time.perf_counter()
+        _classifier_step(model, x, y, device)()
+        _sync(device)
+        row.update(fits=True, step_time_s=time.perf_counter() - t0)
+    except torch.cuda.OutOfMemoryError as err:
+        oom = str(err)[:400]
+    x = y = None
+    row.update(
+        error=oom,
+        peak_above_start_bytes=torch.cuda.max_memory_allocated(device) - start,
+        reserved_peak_bytes=torch.cuda.max_memory_reserved(device),
+    )
+    model.zero_grad(set_to_none=True)
+    _free(device)
+    return row
 
 
 PART_FUNCS: dict[str, Callable[[bool, Path], dict[str, Any]]] = {

@@ -27,10 +27,12 @@ __all__ = ["default_budget", "max_batch", "max_seq"]
 
 
 def default_budget(model: nn.Module) -> int:
-    """The bytes a CUDA model's activations may take: the device's free memory, less the
-    gradients its trainable parameters do not hold yet. Optimizer state counts only once it
-    exists (after the first step), so plan after one step, or give the budget. ValueError
-    for a model that is not on a CUDA device."""
+    """The bytes a CUDA model's activations may take: the device's free memory (what the
+    driver has free and what torch's allocator holds cached but unused), less the
+    gradients its trainable parameters do not hold yet. Tensors that exist count against
+    it (the parameters, inputs made on the device); optimizer state only once it exists
+    (after the first step), so plan after one step, or give the budget. Fragmentation is
+    not foreseen. ValueError for a model that is not on a CUDA device."""
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
     if device.type != "cuda":
@@ -39,6 +41,7 @@ def default_budget(model: nn.Module) -> int:
             f"model is on {device}: give a budget, such as budget='2GiB'"
         )
     free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
     if free <= grads:
         raise ValueError(
@@ -76,7 +79,8 @@ def max_batch(
     for backward; ``"peak"``, a whole step's peak, where a size fits when its step at that
     least plan peaks within the budget too; ``None`` (default), ``"peak"`` for the default
     budget (the device's free memory bounds the whole step) and ``"kept"`` for a given one.
-    A size whose forward or step runs out of device memory does not fit.
+    A size whose forward or step runs out of device memory does not fit. The default budget
+    is read at each size once its inputs exist, so inputs made on the device count.
 
     Raises ValueError when even ``start`` does not fit, naming what it keeps.
     """
@@ -131,7 +135,8 @@ def _largest(
         bound = "peak" if budget is None else "kept"
     if bound not in BOUNDS:
         raise ValueError(f"bound must be one of {BOUNDS} or None, got {bound!r}")
-    budget_bytes = default_budget(model) if budget is None else parse_bytes(budget)
+    given = None if budget is None else parse_bytes(budget)
+    limits: dict[int, int] = {}  # size -> its budget (the default: read once its inputs exist)
     names, layers = planned_layers(model, levels)
     blocks = allowed_blocks(model, recompute)
     # the least a size can keep: every Q-layer at the coarsest level, or (where recomputing
@@ -149,6 +154,8 @@ def _largest(
     def fits(size: int) -> bool:
         if size not in measured:
             forward = forward_of(make_inputs(size))
+            limits[size] = default_budget(model) if given is None else given
+            budget_bytes = limits[size]
             least, on = measure(model, layers, forward, configure(False))[0], False
             if blocks and least > budget_bytes:
                 again = measure(model, layers, forward, configure(True))[0]
@@ -156,11 +163,11 @@ def _largest(
             measured[size] = least
             if bound == "peak" and least <= budget_bytes:
                 peaks[size] = step_peak_at(model, layers, forward, configure(on))
-        return measured[size] <= budget_bytes and peaks.get(size, 0) <= budget_bytes
+        return max(measured[size], peaks.get(size, 0)) <= limits[size]
 
     with preserved(model, layers):
         if not fits(start):
-            least = measured[start]
+            least, budget_bytes = measured[start], limits[start]
             if max(least, peaks.get(start, 0)) == OUT_OF_MEMORY:
                 raise ValueError(
                     f"no {what} fits: a {what} of {start} runs out of device memory (every "
@@ -195,7 +202,7 @@ def _largest(
                 good = mid
             else:
                 bad = mid
-    plan = fit_budget(
-        model, make_inputs(good), budget_bytes, levels=names, recompute=blocks, bound=bound
-    )
+    inputs = make_inputs(good)
+    budget_bytes = default_budget(model) if given is None else given
+    plan = fit_budget(model, inputs, budget_bytes, levels=names, recompute=blocks, bound=bound)
     return good, plan
