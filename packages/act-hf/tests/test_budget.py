@@ -44,3 +44,27 @@ def test_a_budget_past_the_coarsest_level_recomputes_decoder_layers():
     a = torch.cat([g.flatten() for g in grads[0].values()])
     b = torch.cat([grads[1][n].flatten() for n in grads[0]])
     assert F.cosine_similarity(a, b, dim=0) > 0.9
+
+
+def test_a_peak_budget_bounds_the_whole_step_of_a_decoder_with_its_loss():
+    """``bound="peak"`` backs up from the model output's ``loss``: the step the plan makes
+    (forward and backward, gradients allocated before) peaks within the budget, as the
+    profiler counts it, and keeps no more than a plan on the bytes kept alone would."""
+    torch.manual_seed(0)
+    plain, batch = llama("sdpa")
+    model = act_hf.convert(copy.deepcopy(plain), level="L0")
+    exact = actcore.budget.step_peak(model, lambda m: m(**batch))
+    plan = actcore.fit_budget(model, batch, int(exact * 0.9), recompute=False, bound="peak")
+    assert plan.bound == "peak" and plan.peak_bytes <= int(exact * 0.9)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    torch.manual_seed(0)
+
+    def step() -> None:
+        out = model(**batch)  # held through the backward, as a training loop holds it
+        out.loss.backward()
+
+    _, peak = memory.profiled_peak_bytes(step)
+    assert peak == plan.peak_bytes
+    on_kept = actcore.fit_budget(model, batch, int(exact * 0.9), recompute=False)
+    assert plan.kept_bytes <= on_kept.kept_bytes

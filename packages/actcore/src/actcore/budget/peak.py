@@ -18,7 +18,8 @@ __all__ = ["step_peak"]
 def step_peak(model: nn.Module, forward: Callable[[nn.Module], Any]) -> int:
     """The most bytes allocated at once during ``forward(model)`` and a backward from its
     output, beyond what was allocated before: what the step's activations, the backward's
-    temporaries and its gradient buffers for the output take at their peak.
+    temporaries and its gradient buffers for the output take at their peak. The output is
+    held through the backward, as a training loop holds it (a language model's logits).
 
     The parameters' gradients are allocated (zeros) before the step starts, as in training
     after the first step, and each parameter's ``.grad`` is given back as it was. On a CUDA
