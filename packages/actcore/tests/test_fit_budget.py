@@ -162,3 +162,35 @@ def test_the_plan_resumes_with_the_model_and_a_wrong_one_is_refused():
     assert [m.act_level for m in other.modules() if isinstance(m, QLayer)] == before
     actcore.convert(model, level="L0")  # converting again drops the plan
     assert "memory_plan" not in actcore.resume.state_dict(model)
+
+
+def test_the_plan_prints_each_layer_with_what_it_keeps_and_why():
+    model = actcore.convert(_net(), level="L0")
+    x = _x()
+    top = fit_budget(model, x, "1TiB")
+    plan = fit_budget(model, x, (top.exact_bytes + top.smallest_bytes) // 2)
+    layers = [n for n, m in model.named_modules() if isinstance(m, QLayer)]
+    assert list(plan.layer_bytes) == layers
+    for name in layers:
+        by_level = plan.layer_bytes[name]
+        assert list(by_level) == ["L0", "L1", "L2", "L3"]
+        assert by_level["L3"] <= by_level["L0"]
+        # each layer alone, as measured with every Q-layer at that level
+        probe = copy.deepcopy(model)
+        for m in probe.modules():
+            if isinstance(m, QLayer):
+                m.act_level = plan.levels[name]
+        with track(probe) as report:
+            out = probe(x)
+        del out
+        assert report.by_module.get(name, 0) == by_level[plan.levels[name]]
+    assert sum(b["L0"] for b in plan.layer_bytes.values()) <= plan.exact_bytes
+    lines = plan.table().splitlines()
+    assert lines[0] == str(plan)
+    rows = {line.split()[0]: line.split() for line in lines[3:]}
+    assert set(rows) == set(layers)
+    for name, row in rows.items():
+        assert row[1] == plan.levels[name]
+    coarser = [n for n in layers if plan.levels[n] != "L0"]
+    assert coarser and all("coarser" in " ".join(rows[n]) for n in coarser)
+    assert actcore.budget.MemoryPlan.from_state_dict(plan.state_dict()) == plan

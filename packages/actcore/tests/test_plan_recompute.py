@@ -154,6 +154,10 @@ def test_a_budget_below_the_coarsest_level_recomputes_the_fewest_blocks_that_fit
             m.act_level = "L3"
     assert _kept(fewer, x) > budget
     assert "blocks recomputed" in str(plan)
+    rows = {line.split()[0]: line for line in plan.table().splitlines()[3:]}
+    for name in plan.levels:
+        block = next((b for b in plan.recompute if name.startswith(b + ".")), None)
+        assert (f"recomputed with {block}" in rows[name]) == (block is not None)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses = []
     for _ in range(4):

@@ -71,6 +71,8 @@ class MemoryPlan:
     recompute: Sequence[str] = field(default=())  # blocks recomputed in backward
     bound: str = "kept"  # what the budget bounds: "kept" bytes or a step's "peak"
     peak_bytes: int | None = None  # the step's measured peak (bound "peak")
+    # Q-layer name -> level name -> what it keeps with every Q-layer at that level
+    layer_bytes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Set each planned Q-layer of ``model`` to its level, recompute exactly the plan's
@@ -120,6 +122,7 @@ class MemoryPlan:
             "recompute": list(self.recompute),
             "bound": self.bound,
             "peak_bytes": self.peak_bytes,
+            "layer_bytes": {n: dict(b) for n, b in self.layer_bytes.items()},
         }
 
     @classmethod
@@ -134,6 +137,7 @@ class MemoryPlan:
             recompute=tuple(state.get("recompute", ())),
             bound=state.get("bound", "kept"),
             peak_bytes=state.get("peak_bytes"),
+            layer_bytes={n: dict(b) for n, b in state.get("layer_bytes", {}).items()},
         )
 
     def describe(self) -> str:
@@ -145,6 +149,43 @@ class MemoryPlan:
         if self.recompute:
             spread += f"; {len(self.recompute)} blocks recomputed ({', '.join(self.recompute)})"
         return spread
+
+    def table(self) -> str:
+        """The plan, one line per Q-layer: its level, what it keeps there and exact (each
+        measured with every Q-layer at that level), the bytes that saves, and why it is
+        where it is. Layers go coarser in the order of the bytes they save, largest first,
+        until the budget fits; those inside a recomputed block stay exact."""
+        finest = next(iter(next(iter(self.layer_bytes.values()), {})), None)
+        lines = [str(self), ""]
+        header = ("Q-layer", "level", "kept", "exact", "saved", "why")
+        rows = []
+        for name, level in self.levels.items():
+            by_level = self.layer_bytes.get(name, {})
+            kept, exact = by_level.get(level), by_level.get(finest)
+            block = next((b for b in self.recompute if name == b or name.startswith(b + ".")), None)
+            if block is not None:
+                why = f"recomputed with {block}"
+            elif len(set(by_level.values())) == 1:
+                why = "no level keeps less"
+            elif level == finest:
+                why = "the budget leaves it exact"
+            else:
+                why = "coarser: saves more than the layers left finer"
+            saved = "-" if kept is None or exact is None else format_bytes(exact - kept)
+            rows.append(
+                (
+                    name,
+                    level,
+                    "-" if kept is None else format_bytes(kept),
+                    "-" if exact is None else format_bytes(exact),
+                    saved,
+                    why,
+                )
+            )
+        widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+        for row in (header, *rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         peak = (
@@ -158,7 +199,7 @@ class MemoryPlan:
             else format_bytes(self.exact_bytes)
         )
         return (
-            f"MemoryPlan: keeps {format_bytes(self.kept_bytes)}{peak} for a {self.bound} "
-            f"budget of {format_bytes(self.budget)} (exact {exact}, "
+            f"MemoryPlan: keeps {format_bytes(self.kept_bytes)}{peak} for a budget of "
+            f"{format_bytes(self.budget)} on the {self.bound} bytes (exact {exact}, "
             f"smallest reachable {format_bytes(self.smallest_bytes)}); {self.describe()}"
         )

@@ -148,6 +148,12 @@ def fit_budget(
                 peak,
                 budget_bytes,
             )
+        chosen.clear()  # each Q-layer's bytes at each level, as measured (more forwards
+        tables = [kept(dict.fromkeys(layers, name))[1] for name in names]  # only after recompute)
+    by_layer = {
+        n: {name: t.get(n, 0) for name, t in zip(names, tables, strict=True)} for n in layers
+    }
+    plan = dataclasses.replace(plan, layer_bytes=by_layer)
     plan.apply(model)
     return plan
 
