@@ -177,6 +177,7 @@ def test_a_configuration_that_runs_out_of_memory_is_never_the_plan():
     net = actcore.convert(_net(), level="L0")
     model = nn.Sequential(_OomWhenExact(net[3]), *net)
     plan = actcore.fit_budget(model, _images(4), "1TiB", recompute=False)
+    assert plan.order == "bytes"  # the exact probe step of the error order ran out too
     name = next(n for n, m in model.named_modules() if m is net[3])
     assert plan.levels[name] != "L0"
     assert plan.exact_bytes == OUT_OF_MEMORY

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..memory import profiled_peak_bytes
 
-__all__ = ["step_peak"]
+__all__ = ["loss_of", "step_peak"]
 
 
 def step_peak(model: nn.Module, forward: Callable[[nn.Module], Any]) -> int:
@@ -69,7 +69,7 @@ def _fresh_grads(params: list[nn.Parameter]) -> Iterator[None]:
 def _backward(output: Any) -> None:
     """Backward from a model's output: its ``loss`` where it has one (Hugging Face models
     given labels), else its first tensor that requires grad, with a gradient of ones."""
-    loss = _loss_of(output)
+    loss = loss_of(output)
     if loss is None:
         raise ValueError(
             f"a step's peak needs an output that requires grad; the forward returned "
@@ -78,7 +78,9 @@ def _backward(output: Any) -> None:
     loss.backward(torch.ones_like(loss))
 
 
-def _loss_of(output: Any) -> torch.Tensor | None:
+def loss_of(output: Any) -> torch.Tensor | None:
+    """A model output's ``loss`` where it has one, else its first tensor that requires
+    grad (in a tuple, list or mapping), else None."""
     if isinstance(output, torch.Tensor):
         return output if output.requires_grad else None
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
@@ -87,7 +89,7 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     values = output.values() if isinstance(output, Mapping) else output
     if isinstance(values, (list, tuple)) or isinstance(output, Mapping):
         for item in values:
-            found = _loss_of(item)
+            found = loss_of(item)
             if found is not None:
                 return found
     return None

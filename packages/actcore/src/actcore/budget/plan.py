@@ -16,12 +16,15 @@ from ..layers.base import QLayer
 from ..memory import format_bytes
 from .checkpointing import is_recomputed, set_recompute
 
-__all__ = ["BOUNDS", "OUT_OF_MEMORY", "MemoryPlan", "parse_bytes"]
+__all__ = ["BOUNDS", "ORDERS", "OUT_OF_MEMORY", "MemoryPlan", "parse_bytes"]
 
 OUT_OF_MEMORY = sys.maxsize
 """The bytes a configuration counts as keeping when its forward runs out of device memory:
 more than any budget."""
 
+ORDERS = ("error", "bytes")
+"""Which Q-layers a memory plan makes coarser first: most bytes per gradient error, or
+most bytes."""
 BOUNDS = ("kept", "peak")
 """What a memory budget bounds: the bytes a forward keeps for backward, or the peak of a
 whole training step above its start."""
@@ -73,6 +76,11 @@ class MemoryPlan:
     peak_bytes: int | None = None  # the step's measured peak (bound "peak")
     # Q-layer name -> level name -> what it keeps with every Q-layer at that level
     layer_bytes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    order: str = "bytes"  # which layers went coarser first: "error" or "bytes"
+    # Q-layer name -> level name -> its share of the squared gradient error, relative to
+    # the exact gradient's squared norm (order "error")
+    layer_error: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    gradient_error: float | None = None  # the plan's predicted relative squared error
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Set each planned Q-layer of ``model`` to its level, recompute exactly the plan's
@@ -123,6 +131,9 @@ class MemoryPlan:
             "bound": self.bound,
             "peak_bytes": self.peak_bytes,
             "layer_bytes": {n: dict(b) for n, b in self.layer_bytes.items()},
+            "order": self.order,
+            "layer_error": {n: dict(e) for n, e in self.layer_error.items()},
+            "gradient_error": self.gradient_error,
         }
 
     @classmethod
@@ -138,6 +149,9 @@ class MemoryPlan:
             bound=state.get("bound", "kept"),
             peak_bytes=state.get("peak_bytes"),
             layer_bytes={n: dict(b) for n, b in state.get("layer_bytes", {}).items()},
+            order=state.get("order", "bytes"),
+            layer_error={n: dict(e) for n, e in state.get("layer_error", {}).items()},
+            gradient_error=state.get("gradient_error"),
         )
 
     def describe(self) -> str:
@@ -152,12 +166,14 @@ class MemoryPlan:
 
     def table(self) -> str:
         """The plan, one line per Q-layer: its level, what it keeps there and exact (each
-        measured with every Q-layer at that level), the bytes that saves, and why it is
-        where it is. Layers go coarser in the order of the bytes they save, largest first,
-        until the budget fits; those inside a recomputed block stay exact."""
+        measured with every Q-layer at that level), the bytes that saves, its share of the
+        squared gradient error relative to the gradient's (order ``"error"``), and why it
+        is where it is. Layers go coarser in the order of the bytes they save per gradient
+        error (or of the bytes alone) until the budget fits; those inside a recomputed
+        block stay exact."""
         finest = next(iter(next(iter(self.layer_bytes.values()), {})), None)
         lines = [str(self), ""]
-        header = ("Q-layer", "level", "kept", "exact", "saved", "why")
+        header = ("Q-layer", "level", "kept", "exact", "saved", "error", "why")
         rows = []
         for name, level in self.levels.items():
             by_level = self.layer_bytes.get(name, {})
@@ -169,9 +185,12 @@ class MemoryPlan:
                 why = "no level keeps less"
             elif level == finest:
                 why = "the budget leaves it exact"
+            elif self.order == "error":
+                why = "coarser: more bytes saved per gradient error than those left finer"
             else:
                 why = "coarser: saves more than the layers left finer"
             saved = "-" if kept is None or exact is None else format_bytes(exact - kept)
+            error = self.layer_error.get(name, {}).get(level)
             rows.append(
                 (
                     name,
@@ -179,6 +198,7 @@ class MemoryPlan:
                     "-" if kept is None else format_bytes(kept),
                     "-" if exact is None else format_bytes(exact),
                     saved,
+                    "-" if error is None else f"{error:.2e}",
                     why,
                 )
             )
@@ -198,8 +218,13 @@ class MemoryPlan:
             if self.exact_bytes == OUT_OF_MEMORY
             else format_bytes(self.exact_bytes)
         )
+        error = (
+            f", gradient error {self.gradient_error:.2e} (predicted, relative squared)"
+            if self.gradient_error is not None
+            else ""
+        )
         return (
-            f"MemoryPlan: keeps {format_bytes(self.kept_bytes)}{peak} for a budget of "
+            f"MemoryPlan: keeps {format_bytes(self.kept_bytes)}{peak}{error} for a budget of "
             f"{format_bytes(self.budget)} on the {self.bound} bytes (exact {exact}, "
             f"smallest reachable {format_bytes(self.smallest_bytes)}); {self.describe()}"
         )

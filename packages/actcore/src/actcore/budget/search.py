@@ -19,8 +19,9 @@ from ..convert import convert
 from ..layers.base import QLayer
 from ..memory import format_bytes, track
 from .checkpointing import candidate_blocks, is_recomputed, set_recompute
+from .errors import layer_errors
 from .peak import step_peak
-from .plan import BOUNDS, OUT_OF_MEMORY, MemoryPlan, parse_bytes
+from .plan import BOUNDS, ORDERS, OUT_OF_MEMORY, MemoryPlan, parse_bytes
 
 __all__ = [
     "OUT_OF_MEMORY",
@@ -81,6 +82,7 @@ def fit_budget(
     levels: Sequence[str] = ("L0", "L1", "L2", "L3"),
     recompute: bool | Sequence[str] = True,
     bound: str = "kept",
+    order: str = "error",
 ) -> MemoryPlan:
     """Choose each Q-layer's level, and where compression alone cannot fit the blocks to
     recompute in backward, so that a forward of ``example_inputs`` keeps at most ``budget``
@@ -112,12 +114,23 @@ def fit_budget(
     that step's peak (``peak_bytes``). A configuration whose forward runs out of device
     memory counts as not fitting.
 
+    ``order``: which Q-layers go coarser first. ``"error"`` (default): those that save the
+    most bytes per unit of gradient error, the error each adds at each level measured by
+    probe steps (:mod:`.errors`: ``1 + 8 * (levels - 1)`` forward and backward passes); a
+    layer may skip levels that save nothing. ``"bytes"``: those that save the most bytes,
+    one level at a time, with no backward pass; also what the error order falls back to
+    where its exact probe step runs out of device memory (the plan's ``order`` says which
+    was used). The plan records the predicted relative squared gradient error
+    (``gradient_error``, error order only).
+
     Raises ValueError when even the least a plan can keep (or, with ``bound="peak"``, the
     least plan's step) is more than ``budget``, naming that smallest budget and how it is
     reached.
     """
     if bound not in BOUNDS:
         raise ValueError(f"bound must be one of {BOUNDS}, got {bound!r}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     budget_bytes = parse_bytes(budget)
     names, layers = planned_layers(model, levels)
     blocks = allowed_blocks(model, recompute)
@@ -140,20 +153,40 @@ def fit_budget(
         return step_peak_at(model, layers, forward, plan.levels)
 
     with preserved(model, layers):
+        errors, norm = None, 0.0
+        exact_bytes, weights = kept(dict.fromkeys(layers, names[0]))
+        if order == "error" and len(names) > 1 and bound == "kept" and exact_bytes <= budget_bytes:
+            errors = [dict.fromkeys(layers, 0.0)] * len(names)  # all exact: none to order
+        elif order == "error" and len(names) > 1:
+            try:
+                errors, norm = layer_errors(model, layers, forward, names, weights)
+            except torch.cuda.OutOfMemoryError:
+                order = "bytes"  # the exact step does not fit the device: by bytes alone
+            if order == "bytes":  # freed once the exception's frames are gone
+                gc.collect()
+                torch.cuda.empty_cache()
+
+        def plan_for(target: int) -> MemoryPlan:
+            return _plan(kept, chosen, list(layers), names, blocks, target, errors)
+
         if bound == "kept":
-            plan = _plan(kept, chosen, list(layers), names, blocks, budget_bytes)
+            plan = plan_for(budget_bytes)
         else:
-            plan = _within_peak(
-                lambda target: _plan(kept, chosen, list(layers), names, blocks, target),
-                peak,
-                budget_bytes,
-            )
+            plan = _within_peak(plan_for, peak, budget_bytes)
         chosen.clear()  # each Q-layer's bytes at each level, as measured (more forwards
         tables = [kept(dict.fromkeys(layers, name))[1] for name in names]  # only after recompute)
+    rank = {name: i for i, name in enumerate(names)}
     by_layer = {
         n: {name: t.get(n, 0) for name, t in zip(names, tables, strict=True)} for n in layers
     }
-    plan = dataclasses.replace(plan, layer_bytes=by_layer)
+    extra: dict[str, Any] = {"layer_bytes": by_layer, "order": order}
+    if errors is not None:
+        scale = 1.0 / norm if norm > 0 else 0.0
+        extra["layer_error"] = {
+            n: {name: errors[i][n] * scale for i, name in enumerate(names)} for n in layers
+        }
+        extra["gradient_error"] = sum(errors[rank[lv]][n] for n, lv in plan.levels.items()) * scale
+    plan = dataclasses.replace(plan, **extra)
     plan.apply(model)
     return plan
 
@@ -223,6 +256,7 @@ def _plan(
     names: list[str],
     blocks: list[str],
     budget: int,
+    errors: list[dict[str, float]] | None = None,
 ) -> MemoryPlan:
     """Levels only where they fit; else the fewest blocks recomputed that fit at the coarsest
     level (``chosen``, which ``kept`` reads, is filled in), then the levels outside them.
@@ -232,11 +266,11 @@ def _plan(
     none, by module), and only blocks that save bytes are recomputed, the largest savings
     first."""
     if not blocks:
-        return _search(kept, layers, names, budget)
+        return _search(kept, layers, names, budget, errors)
     exact = kept(dict.fromkeys(layers, names[0]))[0]
     coarsest, coarse_by = kept(dict.fromkeys(layers, names[-1]))
     if coarsest <= budget:
-        return _search(kept, layers, names, budget)
+        return _search(kept, layers, names, budget, errors)
 
     def config_for(recomputed: Sequence[str]) -> dict[str, str]:
         chosen[:] = recomputed
@@ -278,7 +312,7 @@ def _plan(
     def kept_free(config: Mapping[str, str]) -> tuple[int, dict[str, int]]:
         return kept({**dict.fromkeys(inner, names[0]), **config})
 
-    plan = _search(kept_free, free, names, budget) if free else None
+    plan = _search(kept_free, free, names, budget, errors) if free else None
     levels = {**dict.fromkeys(inner, names[0]), **(plan.levels if plan else {})}
     used = plan.kept_bytes if plan else kept(levels)[0]
     return MemoryPlan(budget, levels, used, exact, smallest, recompute=tuple(chosen))
@@ -356,6 +390,7 @@ def _search(
     layers: list[str],
     names: list[str],
     budget: int,
+    errors: list[dict[str, float]] | None = None,
 ) -> MemoryPlan:
     tables = [kept(dict.fromkeys(layers, name)) for name in names]
     exact, smallest = tables[0][0], tables[-1][0]
@@ -365,7 +400,12 @@ def _search(
             f"{names[-1]} a forward keeps {format_bytes(smallest)} ({smallest} bytes), the "
             f"smallest budget these levels fit; exact ({names[0]}) keeps {format_bytes(exact)}"
         )
-    path = _path(layers, [t[1] for t in tables], names)
+    by_module = [t[1] for t in tables]
+    path = (
+        _path(layers, by_module, names)
+        if errors is None
+        else _error_path(layers, by_module, names, errors)
+    )
     lo, hi = 0, len(path) - 1  # path[hi] is all coarsest: fits
     measured = {0: exact, hi: smallest}
     while lo < hi:  # the first configuration on the path that fits
@@ -378,9 +418,7 @@ def _search(
             lo = mid + 1
     if lo not in measured:
         measured[lo] = kept(path[lo])[0]
-    config, used = _refine(
-        kept, dict(path[lo]), measured[lo], [t[1] for t in tables], names, budget
-    )
+    config, used = _refine(kept, dict(path[lo]), measured[lo], by_module, names, budget, errors)
     return MemoryPlan(budget, config, used, exact, smallest)
 
 
@@ -391,20 +429,29 @@ def _refine(
     by_module: list[dict[str, int]],
     names: list[str],
     budget: int,
+    errors: list[dict[str, float]] | None = None,
 ) -> tuple[dict[str, str], int]:
-    """Spend what the path's step left of the budget: layers one level finer again, the
-    cheapest first while the tables say they fit; then the longest run of those moves that
-    fits when measured (a bisection)."""
+    """Spend what the path's step left of the budget: layers one level finer again while
+    the tables say they fit, the cheapest first (with ``errors``: the most gradient error
+    taken off per byte first); then the longest run of those moves that fits when
+    measured (a bisection)."""
     rank = {name: i for i, name in enumerate(names)}
     trial, moves, slack = dict(config), [], budget - used
     while True:
-        best, best_cost = None, math.inf
+        best, best_key, best_cost = None, math.inf, 0
         for layer, level in trial.items():
             i = rank[level]
             if i > 0:
                 cost = by_module[i - 1].get(layer, 0) - by_module[i].get(layer, 0)
-                if cost < best_cost:
-                    best, best_cost = layer, cost
+                if errors is None:
+                    key = cost
+                elif cost > slack:
+                    continue
+                else:
+                    gain = errors[i].get(layer, 0.0) - errors[i - 1].get(layer, 0.0)
+                    key = cost / gain if gain > 0 else math.inf
+                if key < best_key:
+                    best, best_key, best_cost = layer, key, cost
         if best is None or best_cost > slack:
             break
         trial[best] = names[rank[trial[best]] - 1]
@@ -448,4 +495,39 @@ def _path(
             return path
         index[best] += 1
         config[best] = names[index[best]]
+        path.append(dict(config))
+
+
+def _error_path(
+    layers: list[str],
+    by_module: list[dict[str, int]],
+    names: list[str],
+    errors: list[dict[str, float]],
+) -> list[dict[str, str]]:
+    """Configurations from all ``names[0]`` to all ``names[-1]``: per step, the move of one
+    layer to a coarser level (skipping levels that save nothing) that adds the least
+    gradient error per byte saved; moves that save nothing come last."""
+    config = dict.fromkeys(layers, names[0])
+    index = dict.fromkeys(layers, 0)
+    path = [dict(config)]
+    while True:
+        best, best_key, best_to = None, math.inf, 0
+        for layer in layers:
+            i = index[layer]
+            for j in range(i + 1, len(names)):
+                saving = by_module[i].get(layer, 0) - by_module[j].get(layer, 0)
+                if saving <= 0:
+                    continue
+                added = max(errors[j].get(layer, 0.0) - errors[i].get(layer, 0.0), 0.0)
+                if added / saving < best_key:
+                    best, best_key, best_to = layer, added / saving, j
+        if best is None:  # what is left saves nothing
+            for layer in layers:
+                if index[layer] < len(names) - 1:
+                    index[layer] = len(names) - 1
+                    config[layer] = names[-1]
+                    path.append(dict(config))
+            return path
+        index[best] = best_to
+        config[best] = names[best_to]
         path.append(dict(config))

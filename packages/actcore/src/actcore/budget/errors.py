@@ -1,0 +1,101 @@
+"""The gradient error each Q-layer adds at each level, measured by probe steps.
+
+Stochastic rounding adds zero-mean noise, independent from layer to layer, so to first
+order the squared error of the parameter gradient is a sum over layers: ``E||g - g0||^2
+= sum_l e_l(level_l)``. One step with every Q-layer exact gives ``g0``; then, per coarser
+level, the Q-layers are cut into at most :data:`GROUPS` runs in module order, and one
+step with a run at that level (the rest exact) measures the run's share of the error,
+split over its layers in proportion to what each keeps exact. All steps start from the
+same seed (dropout draws alike) and back up from the output's loss where it has one, else
+from a fixed random gradient of the output. ``1 + GROUPS * (levels - 1)`` steps in all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..layers.base import QLayer
+from .peak import loss_of
+
+__all__ = ["GROUPS", "layer_errors"]
+
+GROUPS = 8
+"""Runs of Q-layers probed together per level (the cost: one step each)."""
+
+
+def layer_errors(
+    model: nn.Module,
+    layers: Mapping[str, QLayer],
+    forward: Callable[[nn.Module], Any],
+    names: Sequence[str],
+    weights: Mapping[str, int],
+) -> tuple[list[dict[str, float]], float]:
+    """Per level in ``names`` (the first exact), each Q-layer's share of the squared
+    gradient error, and the squared norm of the exact gradient. ``weights``: what each
+    Q-layer keeps exact, the key by which a run's error is split. Leaves the Q-layers exact
+    and each parameter's ``.grad`` as it was."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    held = [p.grad for p in params]
+    order = list(layers)
+    runs = [order[i * len(order) // GROUPS : (i + 1) * len(order) // GROUPS] for i in range(GROUPS)]
+    runs = [run for run in runs if run]
+    try:
+        exact = _gradients(model, layers, forward, {}, names[0], params)
+        norm = sum(float(g.double().square().sum()) for g in exact if g is not None)
+        tables = [dict.fromkeys(order, 0.0)]
+        for level in names[1:]:
+            table: dict[str, float] = {}
+            for run in runs:
+                grads = _gradients(
+                    model, layers, forward, dict.fromkeys(run, level), names[0], params
+                )
+                error = sum(
+                    float((g.double() - g0.double()).square().sum())
+                    for g, g0 in zip(grads, exact, strict=True)
+                    if g is not None and g0 is not None
+                )
+                total = sum(weights.get(n, 0) for n in run)
+                for n in run:
+                    table[n] = error * weights.get(n, 0) / total if total else error / len(run)
+            tables.append(table)
+    finally:
+        for m in layers.values():
+            m.act_level = names[0]
+        for p, grad in zip(params, held, strict=True):
+            p.grad = grad
+    return tables, norm
+
+
+def _gradients(
+    model: nn.Module,
+    layers: Mapping[str, QLayer],
+    forward: Callable[[nn.Module], Any],
+    config: Mapping[str, str],
+    exact: str,
+    params: list[nn.Parameter],
+) -> list[torch.Tensor | None]:
+    for n, m in layers.items():
+        m.act_level = config.get(n, exact)
+    for p in params:
+        p.grad = None
+    torch.manual_seed(0)
+    output = forward(model)
+    loss = loss_of(output)
+    if loss is None:
+        raise ValueError(
+            f"planning by gradient error needs an output that requires grad; the forward "
+            f"returned {type(output).__name__} with none (is the model in a no_grad block?)"
+        )
+    if loss.dim() == 0:
+        loss.backward()
+    else:
+        direction = torch.randn(
+            loss.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float32
+        )
+        loss.backward(direction.to(device=loss.device, dtype=loss.dtype))
+    del output, loss
+    return [None if p.grad is None else p.grad.detach().clone() for p in params]
