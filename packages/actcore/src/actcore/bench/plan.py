@@ -7,8 +7,10 @@ fits. For each, :func:`actcore.fit_budget` plans the model; the row gives what t
 keeps (ACT's tracker), its levels and recomputed blocks, the median time of a training
 step (forward and backward, no optimizer; after one warm-up step) against the unconverted
 model's, timed alternately with it, and the cosine of all parameter gradients against the
-unconverted model's on the same batch and seed. CPU or
-CUDA. No time or error model orders the plans yet: this is what the planner's choices cost.
+unconverted model's on the same batch and random draws (seeded ``seed + 1``, which the
+planner's probe steps never use), and the planner's predicted relative squared gradient
+error. ``--order``: the planner's order (most bytes per gradient error, or most bytes).
+CPU or CUDA. No time model orders the plans yet.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class PlanConfig:
     steps: int = 3
     device: str = "cpu"
     seed: int = 0
+    order: str = "error"
 
 
 def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int) -> list[Any]:
@@ -92,9 +95,14 @@ def run(
     x = torch.randn(cfg.batch, *built.input_shape, generator=g).to(device)
     y = torch.randint(0, built.num_classes, (cfg.batch,), generator=g).to(device)
     plain = copy.deepcopy(built.model).to(device)
-    reference = _grads(plain, x, y, cfg.seed)
+    draw = cfg.seed + 1  # the gradients' random draws: not the planner's probes' (seed 0)
+    reference = _grads(plain, x, y, draw)
     model = built.model.to(device)
-    top = act_budget.fit_budget(model, x, 2**62, recompute=False)
+
+    def loss(m: nn.Module) -> torch.Tensor:  # what the planner's probe steps back up from
+        return F.cross_entropy(logits(m(x)).float(), y)
+
+    top = act_budget.fit_budget(model, loss, 2**62, recompute=False, order="bytes")
     span = top.exact_bytes - top.smallest_bytes
     budgets = [
         int(top.smallest_bytes + span * (1 - i / max(1, cfg.budgets - 1)))
@@ -104,7 +112,7 @@ def run(
     for budget in budgets:
         row: dict[str, Any] = {"model": cfg.model, "batch": cfg.batch, "budget": budget}
         try:
-            plan = act_budget.fit_budget(model, x, budget)
+            plan = act_budget.fit_budget(model, loss, budget, order=cfg.order)
         except ValueError as e:
             rows.append({**row, "error": str(e)})
             advance(1)
@@ -112,7 +120,7 @@ def run(
         counts: dict[str, int] = {}
         for level in plan.levels.values():
             counts[level] = counts.get(level, 0) + 1
-        grads = _grads(model, x, y, cfg.seed)
+        grads = _grads(model, x, y, draw)
         seconds, plain_seconds = _paired_seconds(model, plain, x, y, cfg.steps)
         rows.append(
             {
@@ -124,6 +132,8 @@ def run(
                 "step_ms": seconds * 1e3,
                 "vs_plain": seconds / plain_seconds,
                 "grad_cosine": grad_cosine(grads, reference),
+                "order": plan.order,
+                "predicted_error": plan.gradient_error,
             }
         )
         advance(1)
@@ -138,6 +148,7 @@ COLUMNS = [
     report.Column("step_ms", "step ms", report.fmt_float(1)),
     report.Column("vs_plain", "vs plain", report.fmt_float(2, "x")),
     report.Column("grad_cosine", "grad cosine", report.fmt_float(4)),
+    report.Column("predicted_error", "pred. error", lambda v: "" if v is None else f"{v:.2e}"),
     report.Column("error", "", lambda v: "no plan fits (the JSON says why)", justify="left"),
 ]
 
@@ -158,6 +169,12 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
     p.add_argument("--steps", type=positive_int, default=3, help="timed steps per plan")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--order",
+        choices=act_budget.ORDERS,
+        default="error",
+        help="which layers go coarser first: most bytes per gradient error, or most bytes",
+    )
     common(p)
     p.set_defaults(func=main, validate=_validate)
 

@@ -3,8 +3,10 @@ blocks to recompute, chosen so a forward keeps at most ``budget`` bytes for back
 
 :func:`fit_budget` measures what the converted model keeps (:func:`actcore.memory.track`,
 one forward of the example inputs) with every Q-layer at each candidate level, from exact
-(``L0``) to the coarsest. Those per-module tables order the moves "one Q-layer one level
-coarser" by the bytes they save, largest first, each layer's levels in order: a path of
+(``L0``) to the coarsest, and (``order="error"``, the default) the gradient error each run
+of Q-layers adds at each level (:mod:`.errors`, probe steps). Those per-module tables
+order the moves "one Q-layer to a coarser level" by the bytes they save per unit of
+gradient error (``order="bytes"``: by the bytes alone, one level at a time): a path of
 configurations from all exact to all coarsest. Bytes are not quite additive across modules
 (a tensor two layers share is kept once when they pack it alike, a ReLU's mask serves the
 next layer at ``L3``), so the path is measured, not predicted: a bisection finds its first
@@ -39,8 +41,8 @@ activations fit a budget at the least any plan keeps (doubling, then a bisection
 plan it.
 
 This is a slice of the budget planner: Q-layer levels and block recompute (offload and
-per-tensor choices are not planned yet), ordered by bytes saved (no time or
-gradient-error model yet: recompute comes only after the coarsest level). The plan stays
+per-tensor choices are not planned yet), ordered by bytes saved per gradient error (no
+time model yet: recompute comes only after the coarsest level). The plan stays
 on the model and :mod:`actcore.resume` saves and restores it.
 """
 
@@ -48,12 +50,13 @@ from __future__ import annotations
 
 from .checkpointing import candidate_blocks, recomputed_blocks, set_recompute
 from .peak import step_peak
-from .plan import BOUNDS, MemoryPlan, parse_bytes
+from .plan import BOUNDS, ORDERS, MemoryPlan, parse_bytes
 from .search import fit_budget
 from .sizes import default_budget, max_batch, max_seq
 
 __all__ = [
     "BOUNDS",
+    "ORDERS",
     "MemoryPlan",
     "candidate_blocks",
     "default_budget",
