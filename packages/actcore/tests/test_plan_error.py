@@ -95,3 +95,34 @@ def test_a_bad_order_is_refused():
     model = actcore.convert(torch.nn.Sequential(torch.nn.Linear(4, 4)), level="L0")
     with pytest.raises(ValueError, match="order must be one of"):
         actcore.fit_budget(model, torch.randn(2, 4), "1MiB", order="time")
+
+
+def test_the_error_tables_are_measured_once_per_model_and_input_shape(monkeypatch):
+    from actcore.budget import errors
+
+    calls = []
+    measure = errors.layer_errors
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(errors, "layer_errors", counted)
+    torch.manual_seed(0)
+    model = actcore.convert(
+        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8)),
+        level="L0",
+    )
+    x = torch.randn(32, 64)
+    top = actcore.fit_budget(model, x, "1TiB", order="bytes")
+    middle = (top.exact_bytes + top.smallest_bytes) // 2
+    first = actcore.fit_budget(model, x, middle)
+    assert len(calls) == 1
+    again = actcore.fit_budget(model, torch.randn(32, 64), top.smallest_bytes)  # same shape
+    assert len(calls) == 1 and again.gradient_error >= first.gradient_error
+    actcore.fit_budget(model, torch.randn(64, 64), 2 * middle)  # another shape: measured
+    assert len(calls) == 2
+    actcore.budget.forget_errors(model)
+    remeasured = actcore.fit_budget(model, x, middle)  # measured again (other rounding draws)
+    assert len(calls) == 3
+    assert remeasured.levels == first.levels and remeasured.kept_bytes == first.kept_bytes

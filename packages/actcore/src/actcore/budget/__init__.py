@@ -49,6 +49,7 @@ on the model and :mod:`actcore.resume` saves and restores it.
 from __future__ import annotations
 
 from .checkpointing import candidate_blocks, recomputed_blocks, set_recompute
+from .errors import forget_errors
 from .peak import step_peak
 from .plan import BOUNDS, ORDERS, MemoryPlan, parse_bytes
 from .search import fit_budget
@@ -61,6 +62,7 @@ __all__ = [
     "candidate_blocks",
     "default_budget",
     "fit_budget",
+    "forget_errors",
     "max_batch",
     "max_seq",
     "parse_bytes",

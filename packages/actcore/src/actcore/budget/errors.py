@@ -8,10 +8,16 @@ step with a run at that level (the rest exact) measures the run's share of the e
 split over its layers in proportion to what each keeps exact. All steps start from the
 same seed (dropout draws alike) and back up from the output's loss where it has one, else
 from a fixed random gradient of the output. ``1 + GROUPS * (levels - 1)`` steps in all.
+
+The tables are kept per model and per shape of the example inputs (a callable's identity),
+so planning the same model again for another budget costs no probe step; the bytes are
+measured afresh every time (they decide what fits; the errors only order the moves).
+:func:`forget_errors` drops a model's tables (to measure again after training changed it).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,7 +27,11 @@ from torch import nn
 from ..layers.base import QLayer
 from .peak import loss_of
 
-__all__ = ["GROUPS", "layer_errors"]
+__all__ = ["GROUPS", "cached_layer_errors", "forget_errors", "layer_errors"]
+
+_TABLES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple[Any, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 GROUPS = 8
 """Runs of Q-layers probed together per level (the cost: one step each)."""
@@ -68,6 +78,41 @@ def layer_errors(
         for p, grad in zip(params, held, strict=True):
             p.grad = grad
     return tables, norm
+
+
+def cached_layer_errors(
+    model: nn.Module,
+    layers: Mapping[str, QLayer],
+    example_inputs: Any,
+    forward: Callable[[nn.Module], Any],
+    names: Sequence[str],
+    weights: Mapping[str, int],
+) -> tuple[list[dict[str, float]], float]:
+    """:func:`layer_errors`, measured once per model, candidate levels, Q-layers and shape
+    of ``example_inputs`` (a callable: its identity, held while the tables are)."""
+    key = (_signature(example_inputs), tuple(names), tuple(layers))
+    tables = _TABLES.setdefault(model, {})
+    if key not in tables:
+        pinned = example_inputs if callable(example_inputs) else None
+        tables[key] = (layer_errors(model, layers, forward, names, weights), pinned)
+    return tables[key][0]
+
+
+def forget_errors(model: nn.Module) -> None:
+    """Drop the error tables kept for ``model``: the next plan measures them again."""
+    _TABLES.pop(model, None)
+
+
+def _signature(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", tuple(obj.shape), obj.dtype, str(obj.device))
+    if isinstance(obj, Mapping):
+        return ("mapping", tuple((str(k), _signature(v)) for k, v in obj.items()))
+    if isinstance(obj, (tuple, list)):
+        return ("sequence", tuple(_signature(v) for v in obj))
+    if callable(obj):
+        return ("callable", id(obj))
+    return ("value", repr(obj))
 
 
 def _gradients(

@@ -19,7 +19,7 @@ from ..convert import convert
 from ..layers.base import QLayer
 from ..memory import format_bytes, track
 from .checkpointing import candidate_blocks, is_recomputed, set_recompute
-from .errors import layer_errors
+from .errors import cached_layer_errors
 from .peak import step_peak
 from .plan import BOUNDS, ORDERS, OUT_OF_MEMORY, MemoryPlan, parse_bytes
 
@@ -116,8 +116,9 @@ def fit_budget(
 
     ``order``: which Q-layers go coarser first. ``"error"`` (default): those that save the
     most bytes per unit of gradient error, the error each adds at each level measured by
-    probe steps (:mod:`.errors`: ``1 + 8 * (levels - 1)`` forward and backward passes); a
-    layer may skip levels that save nothing. ``"bytes"``: those that save the most bytes,
+    probe steps (:mod:`.errors`: ``1 + 8 * (levels - 1)`` forward and backward passes, once
+    per model and shape of the example inputs; :func:`~actcore.budget.forget_errors`
+    measures them again); a layer may skip levels that save nothing. ``"bytes"``: those that save the most bytes,
     one level at a time, with no backward pass; also what the error order falls back to
     where its exact probe step runs out of device memory (the plan's ``order`` says which
     was used). The plan records the predicted relative squared gradient error
@@ -159,7 +160,9 @@ def fit_budget(
             errors = [dict.fromkeys(layers, 0.0)] * len(names)  # all exact: none to order
         elif order == "error" and len(names) > 1:
             try:
-                errors, norm = layer_errors(model, layers, forward, names, weights)
+                errors, norm = cached_layer_errors(
+                    model, layers, example_inputs, forward, names, weights
+                )
             except torch.cuda.OutOfMemoryError:
                 order = "bytes"  # the exact step does not fit the device: by bytes alone
             if order == "bytes":  # freed once the exception's frames are gone
