@@ -118,11 +118,12 @@ def fit_budget(
     most bytes per unit of gradient error, the error each adds at each level measured by
     probe steps (:mod:`.errors`: ``1 + 8 * (levels - 1)`` forward and backward passes, once
     per model and shape of the example inputs; :func:`~actcore.budget.forget_errors`
-    measures them again); a layer may skip levels that save nothing. ``"bytes"``: those that save the most bytes,
-    one level at a time, with no backward pass; also what the error order falls back to
-    where its exact probe step runs out of device memory (the plan's ``order`` says which
-    was used). The plan records the predicted relative squared gradient error
-    (``gradient_error``, error order only).
+    measures them again; none where every Q-layer fits exact); a layer may skip levels
+    that save nothing. ``"bytes"``: those that save the most bytes, one level at a time,
+    with no backward pass; also what the error order falls back to where its exact probe
+    step runs out of device memory (the plan's ``order`` says which was used). The plan
+    records the predicted relative squared gradient error (``gradient_error``, error order
+    only).
 
     Raises ValueError when even the least a plan can keep (or, with ``bound="peak"``, the
     least plan's step) is more than ``budget``, naming that smallest budget and how it is
@@ -156,9 +157,8 @@ def fit_budget(
     with preserved(model, layers):
         errors, norm = None, 0.0
         exact_bytes, weights = kept(dict.fromkeys(layers, names[0]))
-        if order == "error" and len(names) > 1 and bound == "kept" and exact_bytes <= budget_bytes:
-            errors = [dict.fromkeys(layers, 0.0)] * len(names)  # all exact: none to order
-        elif order == "error" and len(names) > 1:
+        all_exact = bound == "kept" and exact_bytes <= budget_bytes  # nothing to order
+        if order == "error" and len(names) > 1 and not all_exact:
             try:
                 errors, norm = cached_layer_errors(
                     model, layers, example_inputs, forward, names, weights
@@ -189,6 +189,8 @@ def fit_budget(
             n: {name: errors[i][n] * scale for i, name in enumerate(names)} for n in layers
         }
         extra["gradient_error"] = sum(errors[rank[lv]][n] for n, lv in plan.levels.items()) * scale
+    elif order == "error" and all_exact:
+        extra["gradient_error"] = 0.0  # every Q-layer exact
     plan = dataclasses.replace(plan, **extra)
     plan.apply(model)
     return plan
