@@ -845,6 +845,8 @@ def part_budget(dry: bool, out: Path) -> dict[str, Any]:
             "plan_seconds": time.perf_counter() - t0,
             "predicted_bytes": plan.kept_bytes,
             "predicted_peak_bytes": plan.peak_bytes,
+            "order": plan.order,
+            "gradient_error": plan.gradient_error,
             "levels": {
                 lv: list(plan.levels.values()).count(lv) for lv in set(plan.levels.values())
             },
@@ -1001,6 +1003,11 @@ def summary(results: dict[str, Any]) -> list[str]:
             f"{row['predicted_bytes'] / 2**20:8.0f} MiB, step peak "
             f"{row['predicted_peak_bytes'] / 2**20:8.0f} MiB"
             + (f"; held x{held:.3f} of it, peak x{peak:.3f} of the budget" if held else "")
+            + (
+                f"; predicted error {row['gradient_error']:.1e}"
+                if row.get("gradient_error") is not None
+                else ""
+            )
         )
     if "max_batch" in budget:
         fitted = [s["batch"] for s in budget.get("steps", []) if s["fits"]]
