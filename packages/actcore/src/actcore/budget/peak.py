@@ -26,9 +26,9 @@ def step_peak(model: nn.Module, forward: Callable[[nn.Module], Any]) -> int:
     model the allocator's own peak counts, from an emptied cache: the larger of the bytes
     allocated (``torch.cuda.max_memory_allocated``) and the bytes reserved from the device
     (``max_memory_reserved``: what the device must hold for the step, the gaps between its
-    tensors included; at batches of thousands of images, tensors of tens of GiB leave gaps
-    of GiB: on an H200, ResNet-50's step at batch 10240 peaked at 105 GiB allocated and
-    still ran out of its 139 GiB); elsewhere the profiler's allocation records in time order
+    tensors included: tensors of tens of GiB can leave gaps of GiB; on an H200, a ResNet-50
+    step at batch 10240 that allocated bytes put at 105 GiB, its 6 GiB of input aside, ran
+    out of the card's 139 GiB); elsewhere the profiler's allocation records in time order
     (:func:`actcore.memory.profiled_peak_bytes`). A CUDA step that runs out of memory
     raises ``torch.cuda.OutOfMemoryError`` once its tensors are freed."""
     params = [p for p in model.parameters() if p.requires_grad]
