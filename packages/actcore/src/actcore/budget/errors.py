@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..layers.base import QLayer
-from .peak import loss_of
+from .peak import loss_for
 
 __all__ = ["GROUPS", "cached_layer_errors", "forget_errors", "layer_errors"]
 
@@ -129,12 +129,7 @@ def _gradients(
         p.grad = None
     torch.manual_seed(0)
     output = forward(model)
-    loss = loss_of(output)
-    if loss is None:
-        raise ValueError(
-            f"planning by gradient error needs an output that requires grad; the forward "
-            f"returned {type(output).__name__} with none (is the model in a no_grad block?)"
-        )
+    loss = loss_for(output, "planning by gradient error")
     if loss.dim() == 0:
         loss.backward()
     else:

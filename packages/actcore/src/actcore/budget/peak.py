@@ -12,7 +12,7 @@ from torch import nn
 
 from ..memory import profiled_peak_bytes
 
-__all__ = ["loss_of", "step_peak"]
+__all__ = ["loss_for", "loss_of", "step_peak"]
 
 
 def step_peak(model: nn.Module, forward: Callable[[nn.Module], Any]) -> int:
@@ -69,13 +69,19 @@ def _fresh_grads(params: list[nn.Parameter]) -> Iterator[None]:
 def _backward(output: Any) -> None:
     """Backward from a model's output: its ``loss`` where it has one (Hugging Face models
     given labels), else its first tensor that requires grad, with a gradient of ones."""
+    loss = loss_for(output, "a step's peak")
+    loss.backward(torch.ones_like(loss))
+
+
+def loss_for(output: Any, purpose: str) -> torch.Tensor:
+    """:func:`loss_of`, or a ValueError saying that ``purpose`` needs one."""
     loss = loss_of(output)
     if loss is None:
         raise ValueError(
-            f"a step's peak needs an output that requires grad; the forward returned "
+            f"{purpose} needs an output that requires grad; the forward returned "
             f"{type(output).__name__} with none (is the model in a no_grad block?)"
         )
-    loss.backward(torch.ones_like(loss))
+    return loss
 
 
 def loss_of(output: Any) -> torch.Tensor | None:

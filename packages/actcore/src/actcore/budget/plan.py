@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from ..config import level_spec
@@ -16,11 +18,33 @@ from ..layers.base import QLayer
 from ..memory import format_bytes
 from .checkpointing import is_recomputed, set_recompute
 
-__all__ = ["BOUNDS", "ORDERS", "OUT_OF_MEMORY", "MemoryPlan", "parse_bytes"]
+__all__ = [
+    "BOUNDS",
+    "ORDERS",
+    "OUT_OF_MEMORY",
+    "MemoryPlan",
+    "parse_bytes",
+    "unless_out_of_memory",
+]
 
 OUT_OF_MEMORY = sys.maxsize
 """The bytes a configuration counts as keeping when its forward runs out of device memory:
 more than any budget."""
+
+T = TypeVar("T")
+
+
+def unless_out_of_memory(fn: Callable[[], T]) -> T | None:
+    """``fn()``, or None when it runs out of CUDA memory, its tensors then freed (once the
+    exception's frames are gone) and the allocator's cache emptied."""
+    try:
+        return fn()
+    except torch.cuda.OutOfMemoryError:
+        pass
+    gc.collect()
+    torch.cuda.empty_cache()
+    return None
+
 
 ORDERS = ("error", "bytes")
 """Which Q-layers a memory plan makes coarser first: most bytes per gradient error, or

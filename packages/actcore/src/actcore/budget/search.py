@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -21,7 +20,14 @@ from ..memory import format_bytes, track
 from .checkpointing import candidate_blocks, is_recomputed, set_recompute
 from .errors import cached_layer_errors
 from .peak import step_peak
-from .plan import BOUNDS, ORDERS, OUT_OF_MEMORY, MemoryPlan, parse_bytes
+from .plan import (
+    BOUNDS,
+    ORDERS,
+    OUT_OF_MEMORY,
+    MemoryPlan,
+    parse_bytes,
+    unless_out_of_memory,
+)
 
 __all__ = [
     "OUT_OF_MEMORY",
@@ -159,15 +165,13 @@ def fit_budget(
         exact_bytes, weights = kept(dict.fromkeys(layers, names[0]))
         all_exact = bound == "kept" and exact_bytes <= budget_bytes  # nothing to order
         if order == "error" and len(names) > 1 and not all_exact:
-            try:
-                errors, norm = cached_layer_errors(
-                    model, layers, example_inputs, forward, names, weights
-                )
-            except torch.cuda.OutOfMemoryError:
+            found = unless_out_of_memory(
+                lambda: cached_layer_errors(model, layers, example_inputs, forward, names, weights)
+            )
+            if found is None:
                 order = "bytes"  # the exact step does not fit the device: by bytes alone
-            if order == "bytes":  # freed once the exception's frames are gone
-                gc.collect()
-                torch.cuda.empty_cache()
+            else:
+                errors, norm = found
 
         def plan_for(target: int) -> MemoryPlan:
             return _plan(kept, chosen, list(layers), names, blocks, target, errors)
@@ -356,16 +360,16 @@ def measure(
     for n, m in layers.items():
         m.act_level = config[n]
     torch.manual_seed(0)  # every configuration measured on the same dropout draw
-    try:
+
+    def run() -> Any:
         with track(model) as report:
             out = forward(model)
             settle(wait=True)  # CUDA: zero-value payloads at their exact size, as in training
         del out
-    except torch.cuda.OutOfMemoryError:
-        report = None  # freed below, once the exception's frames are gone
+        return report
+
+    report = unless_out_of_memory(run)
     if report is None:
-        gc.collect()
-        torch.cuda.empty_cache()
         return OUT_OF_MEMORY, {}
     return report.retained_bytes, dict(report.by_module)
 
@@ -381,13 +385,8 @@ def step_peak_at(
     for n, m in layers.items():
         m.act_level = config[n]
     torch.manual_seed(0)
-    try:
-        return step_peak(model, forward)
-    except torch.cuda.OutOfMemoryError:
-        pass  # freed below, once the exception's frames are gone
-    gc.collect()
-    torch.cuda.empty_cache()
-    return OUT_OF_MEMORY
+    peak = unless_out_of_memory(lambda: step_peak(model, forward))
+    return OUT_OF_MEMORY if peak is None else peak
 
 
 def _search(
