@@ -13,11 +13,14 @@ keyed by the torch it was compiled against, written under an exclusive lock and 
 place only when complete: concurrent callers wait for one build, and a killed build never
 leaves a broken cache. Recipes (``RECIPES``):
 
-* ``mmcv`` 2.1.0, about 20 min on 2 idle cores, with two fixes: ``setuptools < 70`` in the
+* ``mmcv`` 2.1.0, about 10 min on 2 idle cores, with two fixes: ``setuptools < 70`` in the
   build environment (its setup.py imports ``pkg_resources``) and ``-std=c++20`` instead
   of the ``-std=c++17`` its setup.py asks for (today's ATen headers need C++20);
 * ``torch-scatter`` 2.1.2 and ``torch-sparse`` 0.6.18 (pyg-lib has no source release on
   the package index, so it is not built).
+
+All are compiled without debug information (``-g0``), which saves about a third of each
+compile.
 
 Commands::
 
@@ -59,6 +62,20 @@ def _raise_cxx_standard(tree: Path) -> None:
     setup_py.write_text(patched)
 
 
+def _jobs() -> str:
+    return os.environ.get("ACT_WHEEL_BUILD_JOBS") or str(os.cpu_count() or 2)
+
+
+def _extensions_in_parallel(tree: Path) -> None:
+    """Build a package's extension modules side by side (setuptools' ``build_ext -j``).
+
+    torch-scatter and torch-sparse each build a dozen small extension modules, one after
+    the other, and torch-scatter without ninja: a single compiler runs at a time however
+    many cores there are."""
+    with open(tree / "setup.cfg", "a") as cfg:
+        cfg.write(f"\n[build_ext]\nparallel = {_jobs()}\n")
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str  # the distribution name on the package index
@@ -84,8 +101,8 @@ RECIPES = {
             patch=_raise_cxx_standard,
             minutes=20,
         ),
-        Recipe("torch-scatter", "2.1.2", minutes=5),
-        Recipe("torch-sparse", "0.6.18", minutes=10),
+        Recipe("torch-scatter", "2.1.2", patch=_extensions_in_parallel, minutes=5),
+        Recipe("torch-sparse", "0.6.18", patch=_extensions_in_parallel, minutes=10),
     )
 }
 
@@ -155,7 +172,12 @@ def build(r: Recipe, work: Path) -> Path:
     env.update(
         FORCE_CUDA="0",
         CUDA_VISIBLE_DEVICES="",  # CPU ops only, even on a machine with a GPU
-        MAX_JOBS=os.environ.get("ACT_WHEEL_BUILD_JOBS") or str(os.cpu_count() or 2),
+        # No debug info: Python's own CFLAGS carry -g, which over torch's headers costs a
+        # third of each compile (nms.cpp 21.6 s -> 12.5 s, scatter.cpp 70.7 s -> 48.1 s
+        # on 2 cores) for symbols that the tests never read. The optimisation level stays
+        # the packages' own. distutils appends CFLAGS after Python's, so -g0 wins.
+        CFLAGS=f"{os.environ.get('CFLAGS', '')} -g0".strip(),
+        MAX_JOBS=_jobs(),
         **r.env,
     )
     dist = work / "dist"
