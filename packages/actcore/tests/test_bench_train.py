@@ -58,6 +58,8 @@ def test_levels_fp_first_each_once_with_routes():
         ("hooks:G4", ["'G4'", "'hooks:G4'", "hooks:G2.2"]),
         ("graph:L2", ["'graph'", "hooks:LEVEL", "default"]),
         (",", ["no levels"]),
+        ("fp,budget:ten", ["'budget:ten'", "budget:SHARE%"]),
+        ("budget:0%", ["'0%'", "positive number"]),
     ],
 )
 def test_bad_levels_exit_2_naming_the_item(levels, words, capsys):
@@ -244,6 +246,36 @@ def test_same_seed_same_run_and_seeds_differ(mnist):
     c = train.train_run(cfg, task, variant, 1)
     assert a["train_curve"] == b["train_curve"] and a["final_val_loss"] == b["final_val_loss"]
     assert a["train_curve"] != c["train_curve"]
+
+
+def _small_corpus() -> dict:
+    rng = random.Random(0)
+    works = {f"w{i}": "".join(rng.choice("abc de\n") for _ in range(3000)) for i in range(3)}
+    works.update({w: "".join(rng.choice("abc de\n") for _ in range(2000)) for w in data.VAL_WORKS})
+    return data.split_works(works)
+
+
+def test_a_budget_item_plans_on_the_fixed_batch_and_trains_within_it():
+    assert [(v.label, v.route, v.level) for v in train.parse_levels("budget:30%,fp")] == [
+        ("fp", "none", None),
+        ("budget:30%", "budget", "30%"),
+    ]
+    task = ShakespeareChar(
+        batch=4, eval_batches=1, device=torch.device("cpu"), corpus=_small_corpus()
+    )
+    rows: list[dict] = []
+    cfg = train.TrainConfig(levels=["fp", "budget:30%"], steps=4, eval_interval=2)
+    train.run(cfg, rows, task=task)
+    fp, planned = rows
+    plan = planned["memory_plan"]
+    # L0 keeps what plain PyTorch keeps (fp's bytes are measured after its training)
+    assert plan["exact_bytes"] == pytest.approx(fp["retained_bytes"], rel=1e-4)
+    assert plan["budget_bytes"] == int(0.3 * plan["exact_bytes"])
+    # the trained model's forward of the batch it was planned on keeps what the plan did
+    assert planned["retained_bytes"] == pytest.approx(plan["kept_bytes"], rel=1e-4)
+    assert max(planned["retained_bytes"], plan["kept_bytes"]) <= plan["budget_bytes"]
+    assert planned["actcore_level"].startswith("budget:30%: MemoryPlan: keeps")
+    assert 0 < planned["val_loss_mean"] < 3
 
 
 def test_shakespeare_task_on_a_small_corpus_and_the_llama_twin():

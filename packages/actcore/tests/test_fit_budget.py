@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
+import re
 
 import pytest
 import torch
@@ -194,3 +196,28 @@ def test_the_plan_prints_each_layer_with_what_it_keeps_and_why():
     coarser = [n for n in layers if plan.levels[n] != "L0"]
     assert coarser and all("coarser" in " ".join(rows[n]) for n in coarser)
     assert actcore.budget.MemoryPlan.from_state_dict(plan.state_dict()) == plan
+
+
+def test_a_share_of_the_exact_bytes_plans_as_that_many_bytes():
+    x = _x()
+    plan = fit_budget(_net(), x, "45%")
+    assert plan.budget == math.floor(0.45 * plan.exact_bytes)
+    same = fit_budget(_net(), x, plan.budget)
+    assert dict(plan.levels) == dict(same.levels)
+    assert plan.kept_bytes == same.kept_bytes <= plan.budget < plan.exact_bytes
+    assert set(fit_budget(_net(), x, " 100 %").levels.values()) == {"L0"}
+
+
+@pytest.mark.parametrize("bad", ["%", "ten%", "0%", "-5%", "nan%"])
+def test_a_bad_share_is_a_clear_error_naming_it(bad):
+    with pytest.raises(ValueError, match=re.escape(repr(bad)) + ".*positive number and '%'"):
+        fit_budget(_net(), _x(), bad)
+
+
+def test_a_size_in_bytes_takes_no_share():
+    with pytest.raises(
+        ValueError, match="'10%' is a share of the exact bytes, which only fit_budget"
+    ):
+        parse_bytes("10%")
+    with pytest.raises(ValueError, match="only fit_budget"):
+        actcore.max_batch(_net(), lambda b: torch.randn(b, 3, 16, 16), budget="10%")

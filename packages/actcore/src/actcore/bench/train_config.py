@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ __all__ = [
 ]
 
 DEFAULT = "default"
+BUDGET = "budget"
 DEFAULT_LEVELS = "fp,L2,L3,hooks:G1.2,hooks:G2,default"
 
 
@@ -33,12 +35,14 @@ class Variant:
     """One item of ``--levels``: its label, route (``none``, ``layers``, ``hooks``) and level."""
 
     label: str
-    route: str
-    level: str | None  # None for fp and default
+    route: str  # none, layers, hooks or budget
+    level: str | None  # None for fp and default; the share ("10%") for a budget
 
 
 def parse_levels(text: str | list[str]) -> list[Variant]:
-    """``fp,L2,L3,hooks:G1.2,default`` -> variants (fp first when given, each once).
+    """``fp,L2,L3,hooks:G1.2,budget:10%,default`` -> variants (fp first when given, each
+    once). ``budget:10%`` plans the model with :func:`actcore.fit_budget` to keep 10% of
+    what it keeps exact, on the task's fixed batch.
 
     ValueError names a bad item and lists what is valid.
     """
@@ -53,10 +57,18 @@ def parse_levels(text: str | list[str]) -> list[Variant]:
             continue
         route, sep, level = item.rpartition(":")
         route = route if sep else "layers"
+        if route == BUDGET:
+            from ..budget import budget_share
+
+            if budget_share(level) is None:  # ValueError for a bad percentage
+                raise ValueError(f"{item!r}: a budget item is budget:SHARE%, e.g. budget:10%")
+            variants.append(Variant(item, route, level))
+            continue
         if route not in ("layers", "hooks"):
             raise ValueError(
                 f"unknown route {route!r} in {item!r}; write LEVEL or layers:LEVEL for "
-                "actcore.convert, hooks:LEVEL for actcore.Controller, fp or default"
+                "actcore.convert, hooks:LEVEL for actcore.Controller, budget:SHARE% for "
+                "actcore.fit_budget, fp or default"
             )
         try:
             check_levels([level], route)
@@ -80,7 +92,7 @@ def valid_items() -> str:
         hooks = ", ".join(f"hooks:{lv}" for lv in HOOK_LEVELS)
     except ImportError:
         hooks = "hooks:LEVEL"
-    return f"{FP}, {DEFAULT}, {', '.join(LEVELS)}, {hooks}"
+    return f"{FP}, {DEFAULT}, {', '.join(LEVELS)}, {hooks}, {BUDGET}:SHARE% (e.g. budget:10%)"
 
 
 @dataclass
@@ -125,8 +137,21 @@ def resolve_device(device: str) -> torch.device:
 
 
 @contextlib.contextmanager
-def applied_variant(model: nn.Module, v: Variant) -> Iterator[tuple[Callable | None, str]]:
-    """Apply ``v`` to ``model``; yields ``(iterate or None, the actcore level in effect)``."""
+def applied_variant(
+    model: nn.Module, v: Variant, example: Callable[[nn.Module], Any] | None = None
+) -> Iterator[tuple[Callable | None, str]]:
+    """Apply ``v`` to ``model``; yields ``(iterate or None, the actcore level in effect)``.
+
+    ``example``: a forward of the task's fixed batch to its loss, which a budget variant
+    plans on (:func:`actcore.fit_budget`); its level is the plan's summary."""
+    if v.route == BUDGET:
+        if example is None:
+            raise ValueError(f"{v.label!r} needs an example forward to plan on")
+        import actcore
+
+        plan = actcore.fit_budget(model, example, v.level)
+        yield None, f"{v.label}: {plan}"
+        return
     if v.label == DEFAULT:
         import actcore
 

@@ -73,6 +73,21 @@ def measure_memory(task: Task, model: nn.Module, device: torch.device) -> dict[s
     }
 
 
+def _plan_record(plan: Any) -> dict[str, Any]:
+    """What a budget variant's :class:`~actcore.budget.MemoryPlan` chose, for the JSON."""
+    counts: dict[str, int] = {}
+    for level in plan.levels.values():
+        counts[level] = counts.get(level, 0) + 1
+    return {
+        "budget_bytes": plan.budget,
+        "kept_bytes": plan.kept_bytes,
+        "exact_bytes": plan.exact_bytes,
+        "layers_at": counts,
+        "recompute": list(plan.recompute),
+        "gradient_error": plan.gradient_error,
+    }
+
+
 def train_run(
     cfg: TrainConfig,
     task: Task,
@@ -95,7 +110,12 @@ def train_run(
     since_log: list[float] = []
     diverged_at = None
     desc = f"{task.name} {v.label} seed {seed}"
-    with applied_variant(model, v) as (iterate, level):
+    fixed_x, fixed_y = task.fixed_batch()  # what a budget variant plans on
+
+    def example(m: nn.Module) -> torch.Tensor:
+        return task.loss(m, fixed_x, fixed_y)
+
+    with applied_variant(model, v, example) as (iterate, level):
         opt = task.optimizer(model, cfg.lr)
         warmup = min(100, max(1, cfg.steps // 10))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.steps, warmup))
@@ -139,6 +159,7 @@ def train_run(
                 break
         train_time = time.perf_counter() - t_run
         mem = measure_memory(task, model, device)
+        plan = model.__dict__.get("act_memory_plan")  # a budget variant's
     final = curve[-1]
     return {
         "seed": seed,
@@ -150,6 +171,7 @@ def train_run(
         "train_time_s": train_time,
         "steps_run": len(times),
         **mem,
+        **({} if plan is None else {"memory_plan": _plan_record(plan)}),
         "curve": curve,
         "train_curve": train_curve,
     }

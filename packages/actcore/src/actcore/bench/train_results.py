@@ -56,6 +56,8 @@ def make_row(
         "train_time_s": statistics.fmean(r["train_time_s"] for r in runs),
         "runs": runs,
     }
+    if "memory_plan" in first:  # a budget variant: seed 0's plan
+        row["memory_plan"] = first["memory_plan"]
     if SPECS[cfg.task].metric != "accuracy":
         for key in ("accuracy_mean", "accuracy_std", "accuracies"):
             row.pop(key)

@@ -51,7 +51,7 @@ from __future__ import annotations
 from .checkpointing import candidate_blocks, recomputed_blocks, set_recompute
 from .errors import forget_errors
 from .peak import step_peak
-from .plan import BOUNDS, ORDERS, MemoryPlan, parse_bytes
+from .plan import BOUNDS, ORDERS, MemoryPlan, budget_share, parse_bytes
 from .search import fit_budget
 from .sizes import default_budget, max_batch, max_seq
 
@@ -59,6 +59,7 @@ __all__ = [
     "BOUNDS",
     "ORDERS",
     "MemoryPlan",
+    "budget_share",
     "candidate_blocks",
     "default_budget",
     "fit_budget",

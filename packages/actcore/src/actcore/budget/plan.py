@@ -23,6 +23,7 @@ __all__ = [
     "ORDERS",
     "OUT_OF_MEMORY",
     "MemoryPlan",
+    "budget_share",
     "parse_bytes",
     "unless_out_of_memory",
 ]
@@ -67,10 +68,33 @@ _UNITS = {
 }
 
 
+def budget_share(size: object) -> float | None:
+    """The share of the exact bytes a budget such as ``"10%"`` asks for (0.1), or None when
+    ``size`` is not a percentage (then it is a size in bytes, :func:`parse_bytes`)."""
+    if not isinstance(size, str) or not size.strip().endswith("%"):
+        return None
+    number = size.strip()[:-1].strip()
+    try:
+        share = float(number) / 100
+    except ValueError:
+        share = math.nan
+    if not math.isfinite(share) or share <= 0:
+        raise ValueError(
+            f"cannot read {size!r} as a share of the exact bytes: use a positive number "
+            "and '%' (e.g. '10%')"
+        )
+    return share
+
+
 def parse_bytes(size: int | float | str) -> int:
     """``size`` in bytes: an int, or a string such as ``"6GiB"``, ``"512 MiB"``, ``"1.5GB"``."""
     if isinstance(size, bool) or not isinstance(size, (int, float, str)):
         raise TypeError(f"a memory size is an int of bytes or a string like '6GiB', got {size!r}")
+    if isinstance(size, str) and size.strip().endswith("%"):
+        raise ValueError(
+            f"{size!r} is a share of the exact bytes, which only fit_budget takes; give a "
+            "size in bytes here (e.g. '6GiB')"
+        )
     if isinstance(size, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", size)
         unit = match.group(2).lower() if match else None

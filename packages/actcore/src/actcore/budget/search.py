@@ -19,12 +19,14 @@ from ..layers.base import QLayer
 from ..memory import format_bytes, track
 from .checkpointing import candidate_blocks, is_recomputed, set_recompute
 from .errors import cached_layer_errors
+from .order import bytes_path, error_path, refine
 from .peak import step_peak
 from .plan import (
     BOUNDS,
     ORDERS,
     OUT_OF_MEMORY,
     MemoryPlan,
+    budget_share,
     parse_bytes,
     unless_out_of_memory,
 )
@@ -102,7 +104,10 @@ def fit_budget(
     planned coarser run that level's fixed bits (adaptive bits stay off).
     ``example_inputs``: a tensor, a tuple of positional arguments, a dict of keyword
     arguments, or a callable ``forward(model)``; their shapes are the plan's (plan again for
-    another batch or sequence length). ``budget``: bytes, or a string such as ``"6GiB"``.
+    another batch or sequence length). ``budget``: bytes, a string such as ``"6GiB"``, or a
+    share of the exact configuration's such as ``"10%"``: of what a forward with every
+    Q-layer at the finest level keeps (``bound="kept"``), or of that configuration's step
+    peak (``bound="peak"``, one more step measured); the plan's ``budget`` is then in bytes.
     ``levels``: the candidate levels from finest to coarsest. ``recompute``: the blocks
     that may be recomputed (non-reentrant checkpointing, dropout replayed): ``True``, those
     :func:`~actcore.budget.candidate_blocks` finds; a list of module names; ``False``, none.
@@ -139,7 +144,8 @@ def fit_budget(
         raise ValueError(f"bound must be one of {BOUNDS}, got {bound!r}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    budget_bytes = parse_bytes(budget)
+    share = budget_share(budget)
+    budget_bytes = parse_bytes(budget) if share is None else 0  # a share: known once measured
     names, layers = planned_layers(model, levels)
     blocks = allowed_blocks(model, recompute)
     forward = forward_of(example_inputs)
@@ -162,7 +168,17 @@ def fit_budget(
 
     with preserved(model, layers):
         errors, norm = None, 0.0
-        exact_bytes, weights = kept(dict.fromkeys(layers, names[0]))
+        exact = dict.fromkeys(layers, names[0])
+        exact_bytes, weights = kept(exact)
+        if share is not None:
+            whole = exact_bytes if bound == "kept" else step_peak_at(model, layers, forward, exact)
+            if whole == OUT_OF_MEMORY:
+                raise ValueError(
+                    f"a budget of {budget!r} is a share of the exact configuration's "
+                    f"{'bytes' if bound == 'kept' else 'step peak'}, which cannot be measured: "
+                    "it runs out of device memory; give the budget in bytes"
+                )
+            budget_bytes = max(1, math.floor(share * whole))
         all_exact = bound == "kept" and exact_bytes <= budget_bytes  # nothing to order
         if order == "error" and len(names) > 1 and not all_exact:
             found = unless_out_of_memory(
@@ -406,9 +422,9 @@ def _search(
         )
     by_module = [t[1] for t in tables]
     path = (
-        _path(layers, by_module, names)
+        bytes_path(layers, by_module, names)
         if errors is None
-        else _error_path(layers, by_module, names, errors)
+        else error_path(layers, by_module, names, errors)
     )
     lo, hi = 0, len(path) - 1  # path[hi] is all coarsest: fits
     measured = {0: exact, hi: smallest}
@@ -422,116 +438,5 @@ def _search(
             lo = mid + 1
     if lo not in measured:
         measured[lo] = kept(path[lo])[0]
-    config, used = _refine(kept, dict(path[lo]), measured[lo], by_module, names, budget, errors)
+    config, used = refine(kept, dict(path[lo]), measured[lo], by_module, names, budget, errors)
     return MemoryPlan(budget, config, used, exact, smallest)
-
-
-def _refine(
-    kept: Callable[[Mapping[str, str]], tuple[int, dict[str, int]]],
-    config: dict[str, str],
-    used: int,
-    by_module: list[dict[str, int]],
-    names: list[str],
-    budget: int,
-    errors: list[dict[str, float]] | None = None,
-) -> tuple[dict[str, str], int]:
-    """Spend what the path's step left of the budget: layers one level finer again while
-    the tables say they fit, the cheapest first (with ``errors``: the most gradient error
-    taken off per byte first); then the longest run of those moves that fits when
-    measured (a bisection)."""
-    rank = {name: i for i, name in enumerate(names)}
-    trial, moves, slack = dict(config), [], budget - used
-    while True:
-        best, best_key, best_cost = None, math.inf, 0
-        for layer, level in trial.items():
-            i = rank[level]
-            if i > 0:
-                cost = by_module[i - 1].get(layer, 0) - by_module[i].get(layer, 0)
-                if errors is None:
-                    key = cost
-                elif cost > slack:
-                    continue
-                else:
-                    gain = errors[i].get(layer, 0.0) - errors[i - 1].get(layer, 0.0)
-                    key = cost / gain if gain > 0 else math.inf
-                if key < best_key:
-                    best, best_key, best_cost = layer, key, cost
-        if best is None or best_cost > slack:
-            break
-        trial[best] = names[rank[trial[best]] - 1]
-        moves.append((best, trial[best]))
-        slack -= best_cost
-
-    def applied(k: int) -> dict[str, str]:
-        out = dict(config)
-        for layer, level in moves[:k]:
-            out[layer] = level
-        return out
-
-    lo, hi, best_used = 0, len(moves), used  # moves[:lo] fit (measured)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        now = kept(applied(mid))[0]
-        if now <= budget:
-            lo, best_used = mid, now
-        else:
-            hi = mid - 1
-    return applied(lo), best_used
-
-
-def _path(
-    layers: list[str], by_module: list[dict[str, int]], names: list[str]
-) -> list[dict[str, str]]:
-    """Configurations from all ``names[0]`` to all ``names[-1]``, one layer one level coarser
-    per step, the move that saves the most bytes (by the uniform tables) first."""
-    config = dict.fromkeys(layers, names[0])
-    index = dict.fromkeys(layers, 0)
-    path = [dict(config)]
-    while True:
-        best, best_saving = None, -math.inf
-        for layer in layers:
-            i = index[layer]
-            if i + 1 < len(names):
-                saving = by_module[i].get(layer, 0) - by_module[i + 1].get(layer, 0)
-                if saving > best_saving:
-                    best, best_saving = layer, saving
-        if best is None:
-            return path
-        index[best] += 1
-        config[best] = names[index[best]]
-        path.append(dict(config))
-
-
-def _error_path(
-    layers: list[str],
-    by_module: list[dict[str, int]],
-    names: list[str],
-    errors: list[dict[str, float]],
-) -> list[dict[str, str]]:
-    """Configurations from all ``names[0]`` to all ``names[-1]``: per step, the move of one
-    layer to a coarser level (skipping levels that save nothing) that adds the least
-    gradient error per byte saved; moves that save nothing come last."""
-    config = dict.fromkeys(layers, names[0])
-    index = dict.fromkeys(layers, 0)
-    path = [dict(config)]
-    while True:
-        best, best_key, best_to = None, math.inf, 0
-        for layer in layers:
-            i = index[layer]
-            for j in range(i + 1, len(names)):
-                saving = by_module[i].get(layer, 0) - by_module[j].get(layer, 0)
-                if saving <= 0:
-                    continue
-                added = max(errors[j].get(layer, 0.0) - errors[i].get(layer, 0.0), 0.0)
-                if added / saving < best_key:
-                    best, best_key, best_to = layer, added / saving, j
-        if best is None:  # what is left saves nothing
-            for layer in layers:
-                if index[layer] < len(names) - 1:
-                    index[layer] = len(names) - 1
-                    config[layer] = names[-1]
-                    path.append(dict(config))
-            return path
-        index[best] = best_to
-        config[best] = names[best_to]
-        path.append(dict(config))
