@@ -214,3 +214,9 @@ def test_no_module_imports_another_modules_private_names() -> None:
                 if a.name.startswith("_") and not a.name.startswith("__")
             ]
     assert not found, "private names imported across modules:\n" + "\n".join(found)
+
+
+def test_the_top_level_is_at_most_12_modules_beside_the_subpackages():
+    """actcore's top level is its public face; each concept's modules sit in a subpackage."""
+    top = sorted(p.stem for p in (SRC / PACKAGE).glob("*.py") if p.stem != "__init__")
+    assert len(top) <= 12, top

@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import json
 import math
-import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,6 @@ __all__ = [
     "main",
     "read_tables_file",
     "render_data",
-    "render_source",
     "shipped_tables",
     "tables_match",
 ]
@@ -235,16 +233,6 @@ def render_data(tables: Iterable[dict[int, Table]]) -> str:
         }
     meta = {"format": _FORMAT, "distribution": NORMAL.name, "cells": DEFAULT_CELLS}
     return json.dumps({"META": meta, "TABLES": body}, indent=1, allow_nan=False) + "\n"
-
-
-def render_source(tables: Iterable[dict[int, Table]]) -> str:
-    """Deprecated: the tables ship as JSON now; use :func:`render_data`."""
-    warnings.warn(
-        "actcore.fewbit.tables.render_source is deprecated: use render_data (tables.json)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return render_data(tables)
 
 
 def tables_match(a: Table, b: Table, rtol: float = 1e-9, atol: float = 1e-12) -> bool:
