@@ -39,7 +39,21 @@ $(VENV)/.act-demo.stamp: tools/torch_site.py packages/actcore/pyproject.toml | $
 demo: $(VENV)/.act-demo.stamp
 	$(VENV)/bin/actcore demo
 
+# The envs act-mm-openmmlab and act-pyg-ext install native packages that ship no wheel for
+# today's torch; tools/source_wheels.py compiles them once per machine into a cache (about
+# 20 min on 2 cores). `make test` starts those builds in the background at the lowest CPU
+# priority, so they use the core that the earlier envs' mostly single-threaded tests leave
+# idle; each of those two envs then takes its wheels from the cache, waiting for a build
+# still running (the cache's lock). Log: .tox/source-wheels.log.
+SOURCE_WHEELS := $(strip \
+	$(if $(or $(if $(TOX_ENVS),,all),$(findstring act-mm-openmmlab,$(TOX_ENVS))),mmcv) \
+	$(if $(or $(if $(TOX_ENVS),,all),$(findstring act-pyg-ext,$(TOX_ENVS))),torch-scatter torch-sparse))
+
 test: $(VENV)/.act-tools.stamp
+ifneq ($(SOURCE_WHEELS),)
+	@mkdir -p .tox
+	nice -n 19 $(VPY) tools/source_wheels.py ensure $(SOURCE_WHEELS) > .tox/source-wheels.log 2>&1 &
+endif
 	$(VENV)/bin/tox $(if $(TOX_ENVS),-e $(TOX_ENVS)) $(TOX_ARGS)
 
 # The GPU check runs with the machine's own python (torch with CUDA), fetching nothing:
