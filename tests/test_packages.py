@@ -19,9 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {"actcore", "act-mm", "act-hf", "act-pyg"}
 # All that each package may require at run time (canonical names): an adapter brings
 # actcore and its one framework, nothing of the others'. (actcore's command line needs rich
-# and matplotlib too: its `cli` extra.)
+# and matplotlib too: its `cli` extra. typing-extensions, which torch requires anyway,
+# gives actcore.deprecation PEP 702's decorator.)
 RUNTIME = {
-    "actcore": {"torch", "numpy"},
+    "actcore": {"torch", "numpy", "typing-extensions"},
     "act-mm": {"actcore", "mmengine"},
     "act-hf": {"actcore", "transformers"},
     "act-pyg": {"actcore", "torch-geometric"},
