@@ -13,7 +13,7 @@ keyed by the torch it was compiled against, written under an exclusive lock and 
 place only when complete: concurrent callers wait for one build, and a killed build never
 leaves a broken cache. Recipes (``RECIPES``):
 
-* ``mmcv`` 2.1.0, about 10 min on 2 idle cores, with two fixes: ``setuptools < 70`` in the
+* ``mmcv`` 2.1.0, about 15 min on 2 idle cores, with two fixes: ``setuptools < 70`` in the
   build environment (its setup.py imports ``pkg_resources``) and ``-std=c++20`` instead
   of the ``-std=c++17`` its setup.py asks for (today's ATen headers need C++20);
 * ``torch-scatter`` 2.1.2 and ``torch-sparse`` 0.6.18 (pyg-lib has no source release on
@@ -99,10 +99,10 @@ RECIPES = {
             build_requirements=("setuptools<70", "wheel", "ninja"),
             env={"MMCV_WITH_OPS": "1"},
             patch=_raise_cxx_standard,
-            minutes=20,
+            minutes=15,
         ),
-        Recipe("torch-scatter", "2.1.2", patch=_extensions_in_parallel, minutes=5),
-        Recipe("torch-sparse", "0.6.18", patch=_extensions_in_parallel, minutes=10),
+        Recipe("torch-scatter", "2.1.2", patch=_extensions_in_parallel, minutes=4),
+        Recipe("torch-sparse", "0.6.18", patch=_extensions_in_parallel, minutes=6),
     )
 }
 
