@@ -16,6 +16,10 @@ extension does three things, each with the names here:
 * **a level**: an entry point takes a level name or a :class:`LevelSpec` and resolves it
   once with :func:`level_spec`, then passes the spec on.
 
+A converted layer's bits may come from a :class:`Scheme` set as its ``act_scheme``
+(actcore's adaptive bits and policies are two): :func:`choose` asks it for each saved
+tensor's compressor, and backward hands it the layer's output gradient.
+
 Smooth activations with few-bit derivative codes register with :func:`register_activation`
 (their derivative tables: :func:`get_table`, :class:`TableCode`, :func:`apply_code`);
 functions whose backward reruns their forward from the compressed input register with
@@ -43,7 +47,7 @@ from .layers.functions import (
 from .layers.modules import LOWER_PRECISION, autocast_inputs
 from .layers.recompute import register_recomputed
 from .layers.roles import CONV
-from .layers.stash import choose, layer_spec, needs_saving, stash, unstash
+from .layers.stash import Scheme, choose, layer_spec, needs_saving, stash, unstash
 from .ops.api import check_bits
 from .saved_tensors.op_mode import call_outside_modes
 from .walker import Exclude
@@ -62,6 +66,7 @@ __all__ = [
     "LinearFunction",
     "QLayer",
     "Quantize",
+    "Scheme",
     "Swap",
     "TableCode",
     "apply_code",

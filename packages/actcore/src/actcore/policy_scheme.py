@@ -85,6 +85,18 @@ class PolicyScheme:
             q = Tapped(q, functools.partial(self._record, key, chosen), tag=(key,))
         return q if mask is None else ZeroValue(mask, q)
 
+    def observe(
+        self,
+        layer: Any,
+        grad: Any,
+        kernel: int,
+        channel_dim: int,
+        norm: bool,
+        restored: Any = None,
+    ) -> None:
+        """Nothing: a policy measures its sensitivities by probe passes (:meth:`iterate`),
+        not from the gradients of training steps."""
+
     def _record(self, key: str, bits: int, x: Any, tensors: Any) -> None:
         """While estimating: ``key``'s quantization spread from what it packed."""
         if self.stats is not None:

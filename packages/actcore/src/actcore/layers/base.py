@@ -11,7 +11,7 @@ from torch import nn
 from ..config import LevelSpec, level_spec
 from ..rng import transforms_active
 from ..saved_tensors.op_mode import call_outside_modes
-from .stash import layer_spec, needs_saving
+from .stash import Scheme, layer_spec, needs_saving
 
 __all__ = [
     "ConvertedLayer",
@@ -27,14 +27,15 @@ class ConvertedLayer:
     ``act_spec``: its level, resolved once when it was converted (None: the process-wide
     level, ``actcore.config.spec``); the per-pack path reads it and never looks a name up.
     ``act_name``: its name in the model (errors and bit plans name it; ``""`` is the root,
-    None a layer built directly, not by a conversion). ``act_scheme``: its bits scheme
-    (e.g. :class:`actcore.adaptive.AdaptiveBits`), None for the level's fixed bits.
+    None a layer built directly, not by a conversion). ``act_scheme``: its bits scheme (a
+    :class:`~actcore.layers.stash.Scheme`, e.g. :class:`actcore.adaptive.AdaptiveBits`),
+    None for the level's fixed bits.
     ``act_level`` is the level's name, and setting it resolves a name into ``act_spec``.
     """
 
     act_spec: LevelSpec | None = None
     act_name: str | None = None
-    act_scheme: Any = None
+    act_scheme: Scheme | None = None
 
     @property
     def act_level(self) -> str | None:

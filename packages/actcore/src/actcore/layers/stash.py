@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -34,6 +34,7 @@ from . import roles
 from .roles import CONV, NARROW_BITS, NORM, role_bits
 
 __all__ = [
+    "Scheme",
     "choose",
     "derive",
     "derive_from",
@@ -129,6 +130,33 @@ def in_checkpoint() -> bool:
     return top is not None and is_checkpoint_hook(top[0])
 
 
+@runtime_checkable
+class Scheme(Protocol):
+    """What a converted layer's ``act_scheme`` (a bits scheme: :class:`actcore.adaptive.
+    AdaptiveBits`, :class:`actcore.policy_scheme.PolicyScheme`) answers on the hot path."""
+
+    def compressor(
+        self, layer: Any, role: str, x: torch.Tensor, bits: int, mask: torch.Tensor | None
+    ) -> Compressor | None:
+        """The compressor for ``x``, which ``layer`` saves in ``role`` (``bits``: the
+        level's for the role; ``mask``: a ReLU output's mask for zero-value storage), or
+        None for the level's default."""
+        ...
+
+    def observe(
+        self,
+        layer: Any,
+        grad: torch.Tensor,
+        kernel: int,
+        channel_dim: int,
+        norm: bool,
+        restored: torch.Tensor | None = None,
+    ) -> None:
+        """``layer``'s output gradient in backward (see :func:`observe`), for a scheme that
+        takes gradient statistics."""
+        ...
+
+
 def choose(layer: Any, role: str, x: torch.Tensor, channel_dim: int | None = None) -> Compressor:
     """The compressor for tensor ``x`` that ``layer`` saves in ``role``.
 
@@ -160,7 +188,7 @@ def choose(layer: Any, role: str, x: torch.Tensor, channel_dim: int | None = Non
     else:
         record = _records.get(x) if spec.zero_value else None
         mask = record.get("mask") if record is not None else None
-        scheme = getattr(layer, "act_scheme", None)
+        scheme: Scheme | None = getattr(layer, "act_scheme", None)
         if role == NORM:  # few values per channel: finer (adaptive plans keep the floor)
             bits = max(bits, roles.batch_norm_bits(x))
         chosen = None if scheme is None else scheme.compressor(layer, role, x, bits, mask)
@@ -192,8 +220,8 @@ def observe(
     ``restored``: a linear layer's input as restored for backward.
     """
     layer = getattr(ctx, "act_layer", None)
-    scheme = getattr(layer, "act_scheme", None)
-    if scheme is not None and hasattr(scheme, "observe"):
+    scheme: Scheme | None = getattr(layer, "act_scheme", None)
+    if scheme is not None:
         scheme.observe(layer, grad, kernel, channel_dim, norm, restored)
 
 
