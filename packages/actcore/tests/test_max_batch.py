@@ -85,6 +85,17 @@ def test_max_batch_is_the_largest_batch_that_fits_and_is_planned(multiple_of):
     assert model.act_memory_plan is plan
 
 
+def test_the_plan_for_the_size_found_takes_the_order_asked_for():
+    model = actcore.convert(_net(), level="L0")
+    budget = (_coarsest_kept(model, _images(6)) + _coarsest_kept(model, _images(7))) // 2
+    by_error = actcore.max_batch(model, _images, budget)
+    by_bytes = actcore.max_batch(model, _images, budget, order="bytes")
+    assert by_error[0] == by_bytes[0] == 6  # the order changes the plan, not the size
+    assert (by_error[1].order, by_bytes[1].order) == ("error", "bytes")
+    assert by_error[1].gradient_error is not None and by_bytes[1].gradient_error is None
+    assert by_bytes[1].kept_bytes <= budget
+
+
 def test_max_seq_finds_the_longest_sequence_in_steps():
     model = actcore.convert(_TokenMLP(), level="L0")
     budget = _coarsest_kept(model, _tokens(200))
@@ -129,6 +140,7 @@ def test_planning_leaves_no_trace():
         ({"limit": 2.5}, "limit must be a positive int"),
         ({"multiple_of": 4, "start": 6}, r"start \(6\) must be a multiple of multiple_of \(4\)"),
         ({"start": 10, "limit": 5}, "at most limit"),
+        ({"order": "speed"}, r"order must be one of \('error', 'bytes'\), got 'speed'"),
     ],
 )
 def test_bad_search_arguments_are_refused(kwargs, message):

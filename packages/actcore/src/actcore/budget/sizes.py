@@ -10,7 +10,7 @@ from torch import nn
 
 from ..memory import format_bytes
 from .checkpointing import set_recompute
-from .plan import BOUNDS, MemoryPlan, parse_bytes
+from .plan import BOUNDS, ORDERS, MemoryPlan, parse_bytes
 from .search import (
     OUT_OF_MEMORY,
     allowed_blocks,
@@ -62,6 +62,7 @@ def max_batch(
     multiple_of: int = 1,
     recompute: bool | Sequence[str] = True,
     bound: str | None = None,
+    order: str = "error",
 ) -> tuple[int, MemoryPlan]:
     """The largest batch whose activations fit ``budget`` at some plan, and that plan (set
     on ``model``, as :func:`fit_budget` sets it).
@@ -81,11 +82,23 @@ def max_batch(
     budget (the device's free memory bounds the whole step) and ``"kept"`` for a given one.
     A size whose forward or step runs out of device memory does not fit. The default budget
     is read at each size once its inputs exist, so inputs made on the device count.
+    ``order``: how the plan for the size found orders its Q-layers (see :func:`fit_budget`);
+    ``"error"`` runs its probe steps at that size, ``"bytes"`` none.
 
     Raises ValueError when even ``start`` does not fit, naming what it keeps.
     """
     return _largest(
-        model, make_inputs, budget, levels, start, limit, multiple_of, recompute, bound, "batch"
+        model,
+        make_inputs,
+        budget,
+        levels,
+        start,
+        limit,
+        multiple_of,
+        recompute,
+        bound,
+        order,
+        "batch",
     )
 
 
@@ -100,12 +113,23 @@ def max_seq(
     multiple_of: int = 1,
     recompute: bool | Sequence[str] = True,
     bound: str | None = None,
+    order: str = "error",
 ) -> tuple[int, MemoryPlan]:
     """:func:`max_batch` for a sequence length: ``make_inputs(length)`` returns the example
     inputs of that length (``multiple_of``: e.g. 64 for kernels that want aligned
     lengths)."""
     return _largest(
-        model, make_inputs, budget, levels, start, limit, multiple_of, recompute, bound, "sequence"
+        model,
+        make_inputs,
+        budget,
+        levels,
+        start,
+        limit,
+        multiple_of,
+        recompute,
+        bound,
+        order,
+        "sequence",
     )
 
 
@@ -119,6 +143,7 @@ def _largest(
     multiple_of: int,
     recompute: bool | Sequence[str],
     bound: str | None,
+    order: str,
     what: str,
 ) -> tuple[int, MemoryPlan]:
     if start is None:
@@ -135,6 +160,8 @@ def _largest(
         bound = "peak" if budget is None else "kept"
     if bound not in BOUNDS:
         raise ValueError(f"bound must be one of {BOUNDS} or None, got {bound!r}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     given = None if budget is None else parse_bytes(budget)
     limits: dict[int, int] = {}  # size -> its budget (the default: read once its inputs exist)
     names, layers = planned_layers(model, levels)
@@ -204,5 +231,7 @@ def _largest(
                 bad = mid
     inputs = make_inputs(good)
     budget_bytes = default_budget(model) if given is None else given
-    plan = fit_budget(model, inputs, budget_bytes, levels=names, recompute=blocks, bound=bound)
+    plan = fit_budget(
+        model, inputs, budget_bytes, levels=names, recompute=blocks, bound=bound, order=order
+    )
     return good, plan
