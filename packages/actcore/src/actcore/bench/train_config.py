@@ -15,6 +15,7 @@ from .routes import FP, applied, check_levels
 from .tasks import SPECS
 
 __all__ = [
+    "BUDGET",
     "DEFAULT",
     "DEFAULT_LEVELS",
     "TrainConfig",

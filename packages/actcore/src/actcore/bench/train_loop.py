@@ -19,7 +19,7 @@ from .. import memory as act_memory
 from ..ops import reset_seed_stream
 from .memory import sync_device
 from .tasks import Task, lr_lambda
-from .train_config import TrainConfig, Variant, applied_variant, resolve_device
+from .train_config import BUDGET, TrainConfig, Variant, applied_variant, resolve_device
 
 __all__ = ["GRAD_CLIP", "measure_memory", "train_run"]
 
@@ -73,6 +73,13 @@ def measure_memory(task: Task, model: nn.Module, device: torch.device) -> dict[s
     }
 
 
+def _fixed_batch_loss(task: Task) -> Callable[[nn.Module], torch.Tensor]:
+    """The loss of the task's fixed batch: the forward a budget variant plans on (made only
+    for one, so other variants hold no extra batch through their run)."""
+    x, y = task.fixed_batch()
+    return lambda m: task.loss(m, x, y)
+
+
 def _plan_record(plan: Any) -> dict[str, Any]:
     """What a budget variant's :class:`~actcore.budget.MemoryPlan` chose, for the JSON."""
     counts: dict[str, int] = {}
@@ -110,11 +117,7 @@ def train_run(
     since_log: list[float] = []
     diverged_at = None
     desc = f"{task.name} {v.label} seed {seed}"
-    fixed_x, fixed_y = task.fixed_batch()  # what a budget variant plans on
-
-    def example(m: nn.Module) -> torch.Tensor:
-        return task.loss(m, fixed_x, fixed_y)
-
+    example = _fixed_batch_loss(task) if v.route == BUDGET else None
     with applied_variant(model, v, example) as (iterate, level):
         opt = task.optimizer(model, cfg.lr)
         warmup = min(100, max(1, cfg.steps // 10))
