@@ -175,6 +175,7 @@ def _refuse_functorch(module: torch.nn.Module) -> None:
         )
 
 
+@torch.compiler.disable  # (its stream's count would be a guard: a recompile every step)
 def _root_pre(module: torch.nn.Module, args: Any) -> None:
     _refuse_functorch(module)
     stream = module.__dict__.get("act_rng")
@@ -183,6 +184,7 @@ def _root_pre(module: torch.nn.Module, args: Any) -> None:
         module.__dict__.setdefault("_act_rng_entry", []).append(stream.count)
 
 
+@torch.compiler.disable
 def _root_post(module: torch.nn.Module, args: Any, output: Any) -> None:
     stream = module.__dict__.get("act_rng")
     if isinstance(stream, SeedStream):

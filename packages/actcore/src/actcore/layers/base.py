@@ -51,12 +51,13 @@ class QLayer(ConvertedLayer):
 
     act_adaptive_bits = True  # whether adaptive bit plans (L3) choose its bits
 
-    @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A Q-layer is its own tailored treatment: the functional-op router of a converted
         # model's scope has nothing to do inside it (and would only add per-call overhead).
-        # Under torch.compile it runs eagerly (a graph break): its bookkeeping keys tensors by
-        # identity and draws a fresh rounding seed every call, which a trace would freeze.
+        # Traced by torch.compile it is its plain module (``needs_saving`` is False there):
+        # the scope's saved-tensor hooks, inlined into the compiled graph, pack its saves.
+        if torch.compiler.is_compiling():
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
         if transforms_active():
             self._check_transformable()
         return call_outside_modes(super().__call__, args, kwargs)  # type: ignore[misc]

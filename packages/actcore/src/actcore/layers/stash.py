@@ -467,5 +467,12 @@ def unstash(ctx: Any) -> list[torch.Tensor | None]:
 
 
 def needs_saving(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd will need a backward for these inputs (else skip all compression)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    """Whether a layer's own compressing autograd Function should run for these inputs:
+    autograd will need a backward for them, and torch.compile is not tracing (a compiled
+    graph runs the plain op, and the scope's saved-tensor hooks, inlined into the graph,
+    pack what it saves: :mod:`actcore.saved_tensors.compiled`)."""
+    return (
+        torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in tensors)
+        and not torch.compiler.is_compiling()
+    )

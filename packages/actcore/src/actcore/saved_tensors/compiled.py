@@ -25,7 +25,15 @@ producer and its consumers in the backward graph, and treat it by kind
   under the hooks, see :class:`~actcore.saved_tensors.op_mode.OpMode`): at least
   ``nonlinear_bits``, their features of largest magnitude exact;
 * a ReLU output: its 1-bit nonzero mask plus its values at the level's bits (the mask makes
-  the ReLU's backward exact);
+  the ReLU's backward exact); the mask alone where backward reads nothing else of it (its
+  own ``threshold_backward``, a max pool's backward, which reads only its shape);
+* a statistic (made from a reduction by size-keeping ops, a norm's ``rsqrt(var + eps)``
+  after inductor's decompositions): kept;
+* with a converted model's bits by kind (:class:`~actcore.saved_tensors.graph_treatment.KindBits`,
+  its level's): the input of a convolution or matrix product, a batch norm, a layer /
+  group / RMS norm or a smooth activation, recognised by the forward ops that read it (the
+  decomposed ones too), gets that kind's bits (the most of its kinds; probabilities at
+  least ``nonlinear_bits``);
 * read only by matrix products and convolution backward (and as an attention's v or
   output, which its backward reads linearly): the level's bits;
 * otherwise (a smooth activation's input, a softmax / sigmoid / tanh output, a norm's input):
@@ -204,23 +212,52 @@ def _shape_of(syms: tuple[Any, ...], layout: tuple[Any, ...]) -> list[Any]:
     return [s if isinstance(s, int) else syms[s[1]] for s in layout]
 
 
+def _memory_order(x: Tensor) -> tuple[int, ...]:
+    """The permutation of ``x``'s dims in memory order, outermost first (the identity for a
+    contiguous tensor): packed in that order, the unpacked tensor gets ``x``'s strides back,
+    which the backward graph's views of it may rely on (a transposed saved tensor)."""
+    from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
+
+    order, _ = compute_elementwise_output_logical_to_physical_perm(x)
+    return tuple(order)
+
+
 def _pack_graph(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) -> Any:
     how = treatment(x, policy, context)
-    if how.kind == "keep" or how.bits is None:
+    if how.kind == "index":  # (``to`` keeps the strides)
+        return (x.to(how.dtype), ("index", x.dtype))
+    if how.kind == "keep" or (how.bits is None and how.kind != "mask"):
         return (x,)
-    syms, layout = _shape_spec(x.shape)
-    extra: tuple[Tensor, ...] = ()
-    data = x
-    if how.kind == "relu":
-        extra = (_pack_mask(x),)
-    elif how.exact_features:
-        magnitude = x.detach().abs().flatten(0, -2).amax(0)
-        index = magnitude.topk(how.exact_features).indices
-        extra = (x.index_select(-1, index), index)
-        data = x.index_fill(-1, index, 0)  # the rest's ranges without the outliers
-    payload, lo, step = _quantize(data, how.bits, policy.group_size)
-    meta = (how.kind, how.bits, layout, x.dtype, bool(how.exact_features))
-    return (payload, lo, step, *extra, syms, meta)
+    order = _memory_order(x)
+    data = x.permute(order)
+    syms, layout = _shape_spec(data.shape)
+    parts: dict[str, Tensor] = {}
+    if how.kind in ("mask", "relu"):
+        parts["mask"] = _pack_mask(data)
+    if how.kind != "mask":
+        if how.exact_features:
+            magnitude = x.detach().abs().flatten(0, -2).amax(0)
+            index = magnitude.topk(how.exact_features).indices
+            parts["exact"], parts["index"] = x.index_select(-1, index).permute(order), index
+            data = x.index_fill(-1, index, 0).permute(order)  # the rest without the outliers
+        if how.kind == "quantize" and data.dim() > 1:
+            parts["scale"] = _channel_scale(data)
+            data = data / parts["scale"]
+        parts["payload"], parts["lo"], parts["step"] = _quantize(data, how.bits, policy.group_size)
+    names = tuple(parts)
+    meta = (how.kind, how.bits, layout, x.dtype, order, names)
+    return (*parts.values(), syms, meta)
+
+
+def _channel_scale(data: Tensor) -> Tensor:
+    """A power of two per channel of ``data``'s last (innermost) dim, at least its largest
+    magnitude: divided by it, every channel spans at most [-1, 1], so one outlier channel
+    no longer sets the rounding step of a whole group (the layer route's
+    :class:`~actcore.compressors.ChannelScaled`, in the traceable form). Powers of two divide
+    and multiply exactly, so stochastic rounding stays unbiased."""
+    amax = data.detach().abs().flatten(0, -2).amax(0).float()
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(tiny)))).to(data.dtype)
 
 
 def _pack_mask(x: Tensor) -> Tensor:
@@ -241,19 +278,33 @@ def _unpack_mask(mask: Tensor, numel: int) -> Tensor:
 def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
     if len(packed) == 1:
         return packed[0]
-    kind, bits, layout, dtype, exact_features = packed[-1]
-    shape = _shape_of(packed[-2], layout)
-    payload, lo, step = packed[:3]
+    if len(packed) == 2:  # ("index", dtype)
+        return packed[0].to(packed[1][1])
+    kind, bits, layout, dtype, order, names = packed[-1]
+    parts = dict(zip(names, packed[: len(names)], strict=True))
+    shape = _shape_of(packed[-2], layout)  # in memory order
+    inverse = [order.index(i) for i in range(len(order))]
     numel = math.prod(shape)
-    values = _dequantize(payload, lo, step, bits, policy.group_size, numel)
+    if kind == "mask":  # positive where the ReLU's output was: all its backward reads
+        keep = _unpack_mask(parts["mask"], numel)
+        tiny = torch.full((), torch.finfo(dtype).tiny, dtype=dtype, device=keep.device)
+        zero = torch.zeros((), dtype=dtype, device=keep.device)
+        return torch.where(keep, tiny, zero).view(shape).permute(inverse)
+    values = _dequantize(
+        parts["payload"], parts["lo"], parts["step"], bits, policy.group_size, numel
+    )
     if kind == "relu":
-        keep = _unpack_mask(packed[3], numel)
+        keep = _unpack_mask(parts["mask"], numel)
         tiny = torch.finfo(dtype).tiny
         values = torch.where(keep, values.clamp_min(tiny), torch.zeros_like(values))
-    values = values.to(dtype).view(shape)
-    if exact_features:  # the exact features and their index
-        values = values.index_copy(-1, packed[4], packed[3])
-    return values
+    values = values.view(shape)
+    if "scale" in parts:
+        values = values * parts["scale"]
+    values = values.to(dtype)
+    if "exact" in parts:  # the exact features and their index (the last dim, in memory order)
+        last = order.index(len(order) - 1)
+        values = values.index_copy(last, parts["index"], parts["exact"])
+    return values.permute(inverse)
 
 
 # ---------------------------------------------------------------------------------- the graphs

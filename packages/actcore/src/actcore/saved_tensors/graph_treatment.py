@@ -12,7 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["EXACT_FEATURE_SHARE", "FLOATS", "GraphPolicy", "Treatment", "treatment"]
+from ..compressors.channel_scaled import exact_channels
+from ..layers.roles import batch_norm_bits
+
+__all__ = ["EXACT_FEATURE_SHARE", "FLOATS", "GraphPolicy", "KindBits", "Treatment", "treatment"]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 EXACT_FEATURE_SHARE = 16
@@ -21,15 +24,31 @@ least one) of largest magnitude exact."""
 
 
 @dataclass(frozen=True)
+class KindBits:
+    """Bits of a saved tensor by what the forward does with it, as a level of the layer
+    route gives them (None keeps that kind exact): the input of a convolution or matrix
+    product, of a batch norm, of a norm over each sample's features (layer, group, RMS), of
+    a smooth activation."""
+
+    product: int | None
+    batch_norm: int | None
+    row_norm: int | None
+    activation: int | None
+
+
+@dataclass(frozen=True)
 class GraphPolicy:
     """What a compiled graph's pack needs: the level's bits (None keeps everything), the
-    smallest tensor compressed, the group size and whether exact ops keep their tensors."""
+    smallest tensor compressed, the group size and whether exact ops keep their tensors.
+    ``kinds``: a converted model's bits by kind of input (its level's); ``bits`` then is
+    what every other saved tensor gets."""
 
     bits: int | None
     min_numel: int = 1024
     group_size: int = 256
     exact_ops: bool = True
     nonlinear_bits: int = 4  # the fewest bits of a tensor backward reads nonlinearly
+    kinds: KindBits | None = None
 
 
 def _packets(*names: str) -> frozenset[Any]:
@@ -78,6 +97,34 @@ _SOFTMAX_STATISTICS = _packets("amax", "logsumexp")
 _PROBABILITIES = _packets("_softmax", "softmax", "_safe_softmax", "sigmoid", "tanh")
 _RELUS = _packets("relu", "relu_")
 _COMPARISONS = _packets("le", "gt", "lt", "ge", "eq", "ne")
+_SHAPE_ONLY = {  # backward ops that read the argument at this position for its shape only
+    op: 1 for op in _packets("max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward")
+}
+# what the forward does with a tensor, by the op that reads it (KindBits' kinds)
+_PRODUCT_INPUTS = _packets(
+    "convolution", "_convolution", "mm", "addmm", "bmm", "baddbmm", "matmul", "linear"
+)
+_BATCH_NORMS = _packets(
+    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+    "_native_batch_norm_legit_no_training", "batch_norm", "cudnn_batch_norm",
+)  # fmt: skip
+_ROW_NORMS = _packets(
+    "native_layer_norm", "layer_norm", "native_group_norm", "group_norm", "_fused_rms_norm",
+    "rms_norm",
+)  # fmt: skip
+_MOMENTS = _packets("var_mean", "var", "std", "std_mean")  # a decomposed norm's statistics
+_SMOOTH = _packets(
+    "gelu", "silu", "mish", "elu", "selu", "celu", "softplus", "hardswish", "hardsigmoid",
+    "log_sigmoid_forward", "erf",
+)  # fmt: skip
+_REDUCTIONS = _packets(
+    "mean", "sum", "var_mean", "var", "std", "std_mean", "amax", "amin", "logsumexp",
+    "native_layer_norm", "native_batch_norm", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_functional", "native_group_norm", "_fused_rms_norm",
+)  # fmt: skip
+_POINTWISE = _packets(
+    "add", "sub", "mul", "div", "rsqrt", "sqrt", "reciprocal", "pow", "neg", "clamp", "clamp_min"
+)
 
 
 def _packet(target: Any) -> Any:
@@ -100,6 +147,182 @@ def _producer(node: Any) -> tuple[Any, int | None]:
         else:
             return op, None
     return None, None
+
+
+def _numel(node: Any) -> Any:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.numel() if isinstance(val, Tensor) else None
+
+
+def _reduction(node: Any, depth: int = 8) -> Any:
+    """The reduction ``node`` is a statistic of, or None: made from it by ops that keep its
+    size (a norm's ``rsqrt(var + eps) / n`` after inductor's decompositions), not a tensor
+    that merely used one (``(x - mean) * rstd`` has the size of ``x``, which is followed)."""
+    numel = _numel(node)
+    if numel is None:
+        return None
+    todo, seen = [node], set()
+    while todo and depth:
+        depth -= 1
+        current = todo.pop()
+        if current in seen or current.op != "call_function":
+            continue
+        seen.add(current)
+        op = _packet(current.target)
+        if current.target is operator.getitem:
+            index, current = current.args[1], current.args[0]
+            op = _packet(getattr(current, "target", None))
+            if index == 0 and (op in _BATCH_NORMS or op in _ROW_NORMS):
+                continue  # a norm's output, not its statistics
+        if op in _REDUCTIONS:
+            return current
+        if op in _VIEWS or op in _POINTWISE:
+            todo.extend(
+                a
+                for a in current.args
+                if isinstance(a, torch.fx.Node) and (op in _VIEWS or _numel(a) == numel)
+            )
+    return None
+
+
+def _norm_of(reduction: Any) -> str | None:
+    """Which norm the statistic ``reduction`` belongs to (``"batch_norm"``, ``"row_norm"``)."""
+    op = _packet(reduction.target)
+    if op in _BATCH_NORMS:
+        return "batch_norm"
+    if op in _ROW_NORMS:
+        return "row_norm"
+    source = reduction.args[0] if reduction.args else None
+    ndim = (
+        len(source.meta["val"].shape)
+        if isinstance(source, torch.fx.Node) and "val" in source.meta
+        else 0
+    )
+    if op in _MOMENTS:
+        return _moment_kind(reduction, ndim)
+    squared = (
+        isinstance(source, torch.fx.Node)
+        and _packet(source.target) is torch.ops.aten.pow
+        and source.args[1:2] == (2,)
+    )
+    return "row_norm" if op is torch.ops.aten.mean and squared else None  # an RMS norm's
+
+
+def _normalized(node: Any, depth: int = 8) -> str | None:
+    """Which norm's output ``node`` is (through its affine map and views), or None: a
+    normalization op's first output, or a tensor of ``node``'s size scaled or shifted by a
+    norm's statistic."""
+    numel = _numel(node)
+    todo, seen = [node], set()
+    while todo and depth:
+        depth -= 1
+        current = todo.pop()
+        if current in seen or current.op != "call_function":
+            continue
+        seen.add(current)
+        if current.target is operator.getitem:
+            source_op = _packet(getattr(current.args[0], "target", None))
+            if current.args[1] == 0 and source_op in _BATCH_NORMS:
+                return "batch_norm"
+            if current.args[1] == 0 and source_op in _ROW_NORMS:
+                return "row_norm"
+            continue
+        op = _packet(current.target)
+        if op in _VIEWS and current.args:
+            todo.append(current.args[0])
+        elif op in _POINTWISE:
+            for arg in current.args:
+                if not isinstance(arg, torch.fx.Node):
+                    continue
+                if _numel(arg) == numel:
+                    todo.append(arg)
+                    continue
+                reduction = _reduction(arg)
+                norm = _norm_of(reduction) if reduction is not None else None
+                if norm is not None:
+                    return norm
+    return None
+
+
+def _moment_kind(user: Any, ndim: int) -> str | None:
+    """A decomposed norm by the dimensions of its ``var_mean``: over the batch dimension a
+    batch norm, over each sample's features a row norm."""
+    dims = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim")
+    if dims is None:
+        return None
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return "batch_norm" if any(d % max(ndim, 1) == 0 for d in dims) else "row_norm"
+
+
+def _mean_of_square(user: Any) -> bool:
+    """Whether ``user`` squares its input for a mean (``mean(x ** 2)``: an RMS norm)."""
+    square = _packet(user.target) is torch.ops.aten.pow and user.args[1:2] == (2,)
+    return square and any(_packet(u.target) is torch.ops.aten.mean for u in user.users)
+
+
+def _forward_kinds(node: Any) -> set[str]:
+    """What the forward does with ``node``: the kinds of :class:`KindBits` it is an input of."""
+    kinds: set[str] = set()
+    for op, user, pos, read in _uses([node]):
+        if op in _PRODUCT_INPUTS:
+            if not (pos == 0 and op in (torch.ops.aten.addmm, torch.ops.aten.baddbmm)):
+                kinds.add("product")  # (addmm's first argument is its bias)
+        elif op in _BATCH_NORMS:
+            kinds.add("batch_norm")
+        elif op in _ROW_NORMS:
+            kinds.add("row_norm")
+        elif op in _SMOOTH:
+            kinds.add("activation")
+        elif op in _MOMENTS:
+            kind = _moment_kind(user, len(read.meta["val"].shape) if "val" in read.meta else 0)
+            kinds.update([kind] if kind else [])
+        elif _mean_of_square(user):
+            kinds.add("row_norm")  # an RMS norm, decomposed
+    return kinds
+
+
+_MAX_POOLS = {
+    op: nd
+    for nd, names in ((1, ("max_pool1d_with_indices",)), (2, ("max_pool2d_with_indices",)),
+                      (3, ("max_pool3d_with_indices",)))
+    for op in _packets(*names)
+}  # fmt: skip
+
+
+def _pooling_index_dtype(node: Any) -> torch.dtype | None:
+    """The narrowest integer type that holds the max-pooling indices ``node`` exactly (they
+    index one plane of the pooled input), or None if ``node`` is not such indices or the
+    plane's size is symbolic."""
+    while node.op == "call_function" and _packet(node.target) in _VIEWS and node.args:
+        node = node.args[0]
+    if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 1:
+        return None
+    pool = node.args[0]
+    nd = _MAX_POOLS.get(_packet(getattr(pool, "target", None)))
+    val = pool.args[0].meta.get("val") if nd and pool.args else None
+    if not isinstance(val, Tensor):
+        return None
+    plane = 1
+    for size in val.shape[-nd:]:
+        if not isinstance(size, int):
+            return None
+        plane *= size
+    if plane <= torch.iinfo(torch.int16).max:
+        return torch.int16
+    return torch.int32 if plane <= torch.iinfo(torch.int32).max else None
+
+
+def _mask_test(op: Any, user: Any, pos: int) -> bool:
+    """Whether ``user`` reads a ReLU's output only as ``output > 0`` (a comparison with a
+    constant, or ``threshold_backward(grad, output, 0)``)."""
+    if op is torch.ops.aten.threshold_backward:
+        return pos == 1 and user.args[2] == 0
+    return (
+        op in _COMPARISONS
+        and pos in (0, 1)
+        and len(user.args) == 2
+        and not isinstance(user.args[1 - pos], torch.fx.Node)
+    )
 
 
 def _softmax_input(node: Any) -> bool:
@@ -168,8 +391,10 @@ def _consumers(bw_graph: Any, name: str) -> list[tuple[Any, Any, int, Any]]:
 
 @dataclass(frozen=True)
 class Treatment:
-    """How one saved tensor is kept: ``kind`` is ``"keep"``, ``"quantize"`` or ``"relu"``
-    (mask plus values); ``bits`` the quantization's bits; ``why`` names the rule;
+    """How one saved tensor is kept: ``kind`` is ``"keep"``, ``"quantize"``, ``"relu"``
+    (mask plus values), ``"mask"`` (a ReLU's output of which backward reads only where it
+    is positive: its 1-bit mask alone) or ``"index"`` (max-pooling indices in the
+    narrowest integer type that holds them); ``bits`` the quantization's bits; ``why`` names the rule;
     ``exact_features``: how many features of the last dim (those of largest magnitude) are
     kept exact beside the quantized rest."""
 
@@ -177,6 +402,7 @@ class Treatment:
     bits: int | None = None
     why: str = ""
     exact_features: int = 0
+    dtype: torch.dtype | None = None  # what an "index" is stored as
 
 
 def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) -> Treatment:
@@ -184,6 +410,12 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
     if policy.bits is None:
         return Treatment("keep", why="the level keeps everything")
     if x.dtype not in FLOATS or x.layout != torch.strided:
+        if x.dtype == torch.int64 and context is not None:
+            narrow = _pooling_index_dtype(context["_node"])
+            if narrow is not None:
+                return Treatment(
+                    "index", why=f"max-pooling indices, exact as {narrow}", dtype=narrow
+                )
         return Treatment("keep", why="not a float tensor")
     if x.numel() < policy.min_numel:
         return Treatment("keep", why="below min_numel")
@@ -193,15 +425,24 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
         )
     node = context["_node"]
     producer, index = _producer(node)
-    if producer in _EXACT_PRODUCERS or (producer in _ATTENTION_FORWARDS and index != 0):
+    normalized = (producer in _BATCH_NORMS or producer in _ROW_NORMS) and index == 0
+    if producer in _EXACT_PRODUCERS and not normalized:
         return Treatment("keep", why=f"made by {producer}")
+    if producer in _ATTENTION_FORWARDS and index != 0:
+        return Treatment("keep", why=f"made by {producer}")
+    if _reduction(node) is not None:
+        return Treatment("keep", why="a statistic (made from a reduction)")
     if _softmax_input(node):
         return Treatment("keep", why="a softmax's input (logits)")
     consumers = _consumers(context["_bw_graph"], node.name)
     relu = producer in _RELUS
     linear = True
+    values_read = False  # whether backward reads the values (not only a ReLU's mask, a shape)
     query_or_key = False
     for op, user, pos, read in consumers:
+        if _SHAPE_ONLY.get(op) == pos or (relu and _mask_test(op, user, pos)):
+            continue  # the ReLU's own mask test: answered by the kept mask
+        values_read = True
         if op in _ATTENTION_BACKWARDS or op in _ATTENTION_FORWARDS:
             name = _argument_name(user, pos, read)
             if name in _ATTENTION_LINEAR:
@@ -214,14 +455,6 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
                 return Treatment("keep", why="q or k of an attention backward")
             query_or_key = True
             continue
-        if (
-            relu
-            and op in _COMPARISONS
-            and pos in (0, 1)
-            and len(user.args) == 2
-            and not isinstance(user.args[1 - pos], torch.fx.Node)
-        ):
-            continue  # the ReLU's own mask test: answered by the kept mask
         if op in _MATMULS or _linear_use(op, user, pos):
             continue
         if policy.exact_ops and op in _EXACT_CONSUMERS:
@@ -236,7 +469,32 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
         return Treatment(
             "quantize", bits, why="q or k of a recomputed attention", exact_features=features
         )
+    if relu and not values_read:
+        return Treatment("mask", why="a ReLU's output read for its mask only")
     kind = "relu" if relu else "quantize"
+    if policy.kinds is not None:
+        inputs = _forward_kinds(node)
+        if "product" in inputs:
+            # a norm's output read by products: kept as the eager route keeps a norm's input,
+            # from which it derives the output (pre-norm transformers' q/k/v input)
+            norm = _normalized(node)
+            inputs |= {norm} if norm is not None else set()
+        if inputs:
+            chosen = [getattr(policy.kinds, k) for k in sorted(inputs)]
+            if any(b is None for b in chosen):
+                return Treatment("keep", why=f"the level keeps {'/'.join(sorted(inputs))} inputs")
+            bits = max(b for b in chosen if b is not None)
+            if "batch_norm" in inputs and all(isinstance(n, int) for n in x.shape):
+                bits = max(bits, batch_norm_bits(x))  # (few values per channel: more bits)
+            if producer in _PROBABILITIES:
+                bits = max(bits, policy.nonlinear_bits)
+            # a norm's backward is nonlinear in its input: an outlier feature's rounding
+            # error would bias it, so the largest features stay exact (as on the layer route)
+            exact = exact_channels(x.shape[-1]) if "row_norm" in inputs and x.dim() > 1 else 0
+            if kind == "relu":
+                exact = 0
+            why = f"a {'/'.join(sorted(inputs))} input"
+            return Treatment(kind, bits, why=why, exact_features=exact)
     if linear and producer not in _PROBABILITIES:
         return Treatment(kind, policy.bits, why="read by products only")
     return Treatment(kind, max(policy.bits, policy.nonlinear_bits), why="read nonlinearly")

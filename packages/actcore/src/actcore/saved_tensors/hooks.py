@@ -77,7 +77,7 @@ from ..layers.attention import shared_exact_dims
 from ..layers.routing import AttentionRouter
 from ..policies import as_policy
 from . import compiled
-from .graph_treatment import GraphPolicy
+from .graph_treatment import GraphPolicy, KindBits
 from .handles import Enclosing, Handle, Stored, canonical, is_param_like, storage_ptr
 from .keys import ModuleKeys
 from .op_mode import DataMarks, OpMode, created_by_attention
@@ -115,7 +115,9 @@ class SavedTensorHooks:
     one. With ``model`` given, parameters/buffers are recognised by storage too (refreshed at
     every root forward) and each saved tensor gets a key that names the module that saved it
     (:class:`actcore.saved_tensors.keys.ModuleKeys`; without a model, ``"<outside>:i"`` from
-    the block's entry), so bit plans do not depend on global forward order.
+    the block's entry), so bit plans do not depend on global forward order. ``kind_bits``:
+    what graphs compiled under these hooks give each kind of input (a converted model's
+    level; None: the policy's bits, :class:`~actcore.saved_tensors.graph_treatment.GraphPolicy`).
     """
 
     def __init__(
@@ -129,6 +131,7 @@ class SavedTensorHooks:
         tailored: bool = False,
         router: Any = None,
         module_keys: bool = True,
+        kind_bits: KindBits | None = None,
     ) -> None:
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ValueError(f"min_numel must be an int >= 0, got {min_numel!r}")
@@ -151,6 +154,7 @@ class SavedTensorHooks:
         self.tailored = bool(tailored)
         self.router = AttentionRouter(self) if router is None else router
         self.module_keys = bool(module_keys)
+        self.kind_bits = kind_bits
         if model is not None:
             self.attach(model)
 
@@ -199,6 +203,7 @@ class SavedTensorHooks:
             marks=getattr(self._local, "marks", None) if self.tailored else None,
         )
         mode.recompute_attention = self.policy.compresses
+        mode.recompute_derived = self.policy.compresses and self.kind_bits is not None
         mode.__enter__()
         self._local.mode = mode
         return self
@@ -220,12 +225,15 @@ class SavedTensorHooks:
 
     def graph_policy(self) -> GraphPolicy:
         """What the graphs inlined into compiled code apply: the policy's fixed bits (an
-        adaptive policy's default bits: its per-tensor plan is keyed by eager saves)."""
+        adaptive policy's default bits: its per-tensor plan is keyed by eager saves), and
+        ``kind_bits``, a converted model's bits by kind of input."""
         bits = getattr(self.policy, "bits", None) if self.policy.compresses else None
         if bits is None and self.policy.compresses:
             default = getattr(self.policy, "default_bits", None)
             bits = default() if default is not None else ACTIVATION_BITS
-        return GraphPolicy(bits, self.min_numel, self.group_size, self.exact_ops, ACTIVATION_BITS)
+        return GraphPolicy(
+            bits, self.min_numel, self.group_size, self.exact_ops, ACTIVATION_BITS, self.kind_bits
+        )
 
     def _enclosing(self) -> Enclosing | None:
         """The saved-tensor hooks active as these are pushed when they are another's (a

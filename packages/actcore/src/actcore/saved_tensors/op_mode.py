@@ -37,6 +37,7 @@ from .exact_ops import ExactOps, exact_check
 
 __all__ = [
     "ATTENTION_FUNCTIONS",
+    "DERIVED_OUTPUTS",
     "FLOORED_INPUTS",
     "DataMarks",
     "OpMode",
@@ -74,6 +75,15 @@ FLOORED_INPUTS: dict[Any, str] = {
 }
 """Calls whose saved input gets a bits floor, by kind: ``"batch_norm"``
 (:func:`actcore.layers.roles.batch_norm_bits`), ``"activation"`` (nonlinear backward at 4 bits)."""
+
+DERIVED_OUTPUTS = frozenset(
+    {f for f, kind in FLOORED_INPUTS.items() if kind == "activation"}
+    | {F.layer_norm, F.group_norm, *([F.rms_norm] if hasattr(F, "rms_norm") else [])}
+)
+"""Calls whose output the layer route derives from their packed input: traced by Dynamo
+under a converted model's scope they run in a non-reentrant checkpoint, so the compiled
+graph saves their input once and backward recomputes the output (and a norm's statistics)
+from it, not a second, separately packed copy."""
 
 
 def _floor_kind(func: Any) -> str | None:
@@ -207,6 +217,7 @@ class OpMode(ExactOps):
         self.suspended = suspended
         self.exact = exact
         self.recompute_attention = False  # under Dynamo: sdpa in a checkpoint (see below)
+        self.recompute_derived = False  # under Dynamo: DERIVED_OUTPUTS calls in a checkpoint
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
@@ -216,7 +227,9 @@ class OpMode(ExactOps):
             # Dynamo traces this mode: compiled graphs get their treatment from the graphs
             # inlined into them (actcore.saved_tensors.compiled), not from per-call state;
             # attention is recomputed in backward from its saved (packed) q, k, v
-            if self.recompute_attention and func is F.scaled_dot_product_attention:
+            if (self.recompute_attention and _is_one_of(func, ATTENTION_FUNCTIONS)) or (
+                self.recompute_derived and _is_one_of(func, DERIVED_OUTPUTS)
+            ):
                 return torch.utils.checkpoint.checkpoint(func, *args, use_reentrant=False, **kwargs)
             return func(*args, **kwargs)
         if self.suspended is not None and self.suspended():

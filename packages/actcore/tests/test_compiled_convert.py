@@ -1,0 +1,261 @@
+"""A converted model under torch.compile: one graph, its Q-layers traced as their plain
+modules, and what the graph saves packed by the scope's inlined hooks with the level's bits
+by kind (:mod:`actcore.saved_tensors.compiled`)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import actcore
+from actcore.bench.gpt import CharGPT, GPTConfig
+from actcore.layers.scope import COMPILED_ROW_NORM_BITS
+from actcore.memory import profiled_bytes
+from actcore.saved_tensors import compiled
+from actcore.saved_tensors.graph_treatment import Treatment
+
+pytestmark = pytest.mark.skipif(
+    not compiled.inlining_supported(), reason="this torch does not inline saved-tensor hooks"
+)
+torchvision = pytest.importorskip("torchvision")
+
+BACKEND = "aot_eager"  # AOTAutograd's partitioning and the inlined hooks, without codegen
+
+
+def _resnet() -> tuple[nn.Module, tuple, Callable]:
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    return model, (torch.randn(4, 3, 64, 64),), lambda out: out.square().mean()
+
+
+def _vit() -> tuple[nn.Module, tuple, Callable]:
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128,
+        num_classes=10,
+    )  # fmt: skip
+    nn.init.normal_(model.heads.head.weight, std=0.02)  # (torchvision starts it at zero)
+    return model, (torch.randn(8, 3, 32, 32),), lambda out: out.square().mean()
+
+
+def _gpt(arch: str) -> Callable[[], tuple[nn.Module, tuple, Callable]]:
+    def build() -> tuple[nn.Module, tuple, Callable]:
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab_size=65, context=64, layers=2, heads=4, width=64, arch=arch)
+        idx = torch.randint(0, 65, (8, 64), generator=torch.Generator().manual_seed(1))
+        return CharGPT(cfg), (idx, idx.roll(-1, 1)), lambda out: out
+
+    return build
+
+
+MODELS = {"resnet18": _resnet, "vit": _vit, "gpt": _gpt("gpt"), "llama": _gpt("llama")}
+
+
+def _grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def _step(model: nn.Module, fn: Any, args: tuple, loss: Callable) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    loss(fn(*args)).backward()
+    return _grads(model)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_converted_model_compiles_into_one_graph(name: str) -> None:
+    """fullgraph=True, no graph break (explain), no recompilation on later steps, the
+    forward bitwise the compiled plain model's, and fewer bytes kept than it."""
+    base, args, loss = MODELS[name]()
+    model = actcore.convert(copy.deepcopy(base), "L3")
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), [
+        r.reason for r in explained.break_reasons
+    ]
+    torch._dynamo.reset()
+    fn = torch.compile(model, fullgraph=True, backend=BACKEND)
+    _step(model, fn, args, loss)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            assert torch.isfinite(_step(model, fn, args, loss)).all()
+        torch.manual_seed(5)
+        out = fn(*args)
+    plain = torch.compile(copy.deepcopy(base), fullgraph=True, backend=BACKEND)
+    torch.manual_seed(5)
+    assert torch.equal(out, plain(*args))
+    _, held = profiled_bytes(lambda: loss(fn(*args)))
+    _, plain_held = profiled_bytes(lambda: loss(plain(*args)))
+    assert plain_held / held > 4, (plain_held, held)
+
+
+# The share of eager ACT's ratio (against eager plain) that compiled ACT keeps against
+# compiled plain, and the gradient cosine of compiled L3 against the exact gradient. Target
+# (#29): a share >= 0.9. Measured (aot_eager, 2026-11-27, other seeds than these): resnet18
+# 0.71, cosine 0.82 against eager L3's 0.85 (its ReLU outputs that a convolution reads are
+# a mask plus values at 2 bits where eager keeps only the nonzeros; fixed bits by kind, no
+# per-sample adaptive bits in compiled graphs yet); vit 1.55, 0.986 (0.986); gpt 0.91,
+# 0.984 (0.987); llama 0.54, 0.93 (0.97): its cross-entropy keeps the vocabulary-sized
+# log-probabilities, SwiGLU's product is saved besides its operands, and RMS-norm inputs
+# take 8 bits (COMPILED_ROW_NORM_BITS).
+FLOORS = {"resnet18": (0.65, 0.75), "vit": (0.9, 0.95), "gpt": (0.85, 0.97), "llama": (0.5, 0.9)}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_compiled_keeps_about_what_eager_keeps(name: str) -> None:
+    base, args, loss = MODELS[name]()
+    ratios, cosines = {}, {}
+    exact = None
+    for compile_it in (False, True):
+        torch._dynamo.reset()
+        plain = copy.deepcopy(base)
+        act = actcore.convert(copy.deepcopy(base), "L3")
+        fns = [torch.compile(m, backend=BACKEND) if compile_it else m for m in (plain, act)]
+        held = []
+        for model, fn in zip((plain, act), fns, strict=True):
+            _step(model, fn, args, loss)  # (compiles)
+            held.append(profiled_bytes(lambda fn=fn: loss(fn(*args)))[1])
+        ratios[compile_it] = held[0] / held[1]
+        grads = [_step(m, fn, args, loss).double() for m, fn in zip((plain, act), fns, strict=True)]
+        exact = grads[0] if exact is None else exact
+        cosines[compile_it] = F.cosine_similarity(grads[1], exact, 0).item()
+    share, cosine = FLOORS[name]
+    assert ratios[True] >= share * ratios[False], ratios
+    assert cosines[True] >= cosine, cosines
+
+
+class _Spy:
+    """Records the treatment of every tensor a compiled graph packs."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.seen: list[tuple[tuple[int, ...], Treatment]] = []
+        original = compiled.treatment
+
+        def spy(x: torch.Tensor, policy: Any, context: Any) -> Treatment:
+            how = original(x, policy, context)
+            self.seen.append((tuple(x.shape), how))
+            return how
+
+        monkeypatch.setattr(compiled, "treatment", spy)
+
+    def whys(self) -> dict[str, set[Any]]:
+        found: dict[str, set[Any]] = {}
+        for _, how in self.seen:
+            found.setdefault(how.why, set()).add(how.bits)
+        return found
+
+
+class _Mixed(nn.Module):
+    """A conv / batch norm / ReLU / max pool stem, then a pre-norm GELU MLP over the pixels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.norm = nn.LayerNorm(16)
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv2(self.pool(F.relu(self.bn(self.conv(x)))))
+        t = h.flatten(2).transpose(1, 2)
+        return (t + self.down(F.gelu(self.up(self.norm(t))))).mean()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "aot_eager_decomp_partition"])
+def test_level_bits_by_kind(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """L3's bits by kind reach the compiled graph: conv inputs 2, the batch norm's input 2,
+    the GELU's input 4, the layer norm's 8 (its statistics are recomputed from it); the
+    norm's and the GELU's outputs, which the
+    linears read, are recomputed from those (as the eager route derives them), not saved;
+    nothing large stays exact but statistics and integer tensors, decomposed (inductor's
+    decompositions, ``aot_eager_decomp_partition``) or not."""
+    spy = _Spy(monkeypatch)
+    torch.manual_seed(0)
+    model = actcore.convert(_Mixed(), "L3")
+    torch._dynamo.reset()
+    torch.compile(model, fullgraph=True, backend=backend)(torch.randn(4, 3, 16, 16)).backward()
+    packed = {(shape, how.kind, how.bits, how.why) for shape, how in spy.seen}
+    assert ((4, 3, 16, 16), "quantize", 2, "a product input") in packed, packed
+    assert ((4, 16, 8, 8), "quantize", 2, "a product input") in packed, packed
+    assert ((4, 16, 16, 16), "quantize", 2, "a batch_norm input") in packed, packed
+    norm_inputs = {how.bits for _, how in spy.seen if how.why == "a row_norm input"}
+    assert norm_inputs == {COMPILED_ROW_NORM_BITS}, packed
+    gelu_inputs = [how for shape, how in spy.seen if shape == (256, 64)]
+    assert {how.bits for how in gelu_inputs} == {4}, packed  # the GELU's output: not saved
+    assert not [s for s, how in spy.seen if s in ((256, 16), (4, 64, 16)) and how.bits == 2]
+    kept = [(shape, how.why) for shape, how in spy.seen if how.kind == "keep"]
+    assert all(
+        math.prod(shape) < 1024 or "statistic" in why or "float" in why for shape, why in kept
+    ), kept
+
+
+def test_relu_before_max_pool_keeps_a_mask_and_narrow_indices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ReLU that only its backward and a max pool's read is its 1-bit mask, the pool's
+    indices int16: the gradients are bitwise the compiled plain model's."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shift = nn.Parameter(torch.linspace(-1, 1, 8).view(1, 8, 1, 1))
+            self.register_buffer("weight", torch.randn(8, 16, 16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (F.max_pool2d(F.relu(x + self.shift), 2) * self.weight).sum()
+
+    spy = _Spy(monkeypatch)
+    x = torch.randn(4, 8, 32, 32, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for level in (None, "L3"):
+        torch.manual_seed(0)
+        model = Net() if level is None else actcore.convert(Net(), level)
+        torch._dynamo.reset()
+        torch.compile(model, fullgraph=True, backend=BACKEND)(x).backward()
+        grads.append(model.shift.grad)
+    kinds = {how.kind for _, how in spy.seen}
+    assert {"mask", "index"} <= kinds, kinds
+    assert {how.dtype for _, how in spy.seen if how.kind == "index"} == {torch.int16}
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_level_zero_compiles_to_the_plain_gradients() -> None:
+    base, args, loss = _resnet()
+    grads = []
+    for level in (None, "L0"):
+        model = (
+            copy.deepcopy(base) if level is None else actcore.convert(copy.deepcopy(base), level)
+        )
+        torch._dynamo.reset()
+        grads.append(
+            _step(model, torch.compile(model, fullgraph=True, backend=BACKEND), args, loss)
+        )
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_transposed_saved_tensors_keep_their_strides() -> None:
+    """A saved tensor that is a transpose comes back with its strides (the backward graph's
+    views of it rely on them)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x).transpose(1, 2)  # (b, 32, t), not contiguous
+            return (h @ h.transpose(1, 2)).view(-1).square().mean()
+
+    x = torch.randn(4, 64, 32, generator=torch.Generator().manual_seed(0))
+    model = actcore.convert(Net(), "L2")
+    torch._dynamo.reset()
+    torch.compile(model, fullgraph=True, backend=BACKEND)(x).backward()
+    assert torch.isfinite(model.lin.weight.grad).all()
