@@ -154,13 +154,9 @@ def _numel(node: Any) -> Any:
     return val.numel() if isinstance(val, Tensor) else None
 
 
-def _reduction(node: Any, depth: int = 8) -> Any:
-    """The reduction ``node`` is a statistic of, or None: made from it by ops that keep its
-    size (a norm's ``rsqrt(var + eps) / n`` after inductor's decompositions), not a tensor
-    that merely used one (``(x - mean) * rstd`` has the size of ``x``, which is followed)."""
-    numel = _numel(node)
-    if numel is None:
-        return None
+def _search(node: Any, visit: Any, depth: int = 8) -> Any:
+    """Walk back from ``node`` through at most ``depth`` call nodes: ``visit(current)`` gives
+    ``(found, nodes to follow)``; the first ``found`` that is not None, else None."""
     todo, seen = [node], set()
     while todo and depth:
         depth -= 1
@@ -168,21 +164,36 @@ def _reduction(node: Any, depth: int = 8) -> Any:
         if current in seen or current.op != "call_function":
             continue
         seen.add(current)
+        found, more = visit(current)
+        if found is not None:
+            return found
+        todo.extend(more)
+    return None
+
+
+def _reduction(node: Any) -> Any:
+    """The reduction ``node`` is a statistic of, or None: made from it by ops that keep its
+    size (a norm's ``rsqrt(var + eps) / n`` after inductor's decompositions), not a tensor
+    that merely used one (``(x - mean) * rstd`` has the size of ``x``, which is followed)."""
+    numel = _numel(node)
+    if numel is None:
+        return None
+
+    def visit(current: Any) -> tuple[Any, list[Any]]:
         op = _packet(current.target)
         if current.target is operator.getitem:
             index, current = current.args[1], current.args[0]
             op = _packet(getattr(current, "target", None))
             if index == 0 and (op in _BATCH_NORMS or op in _ROW_NORMS):
-                continue  # a norm's output, not its statistics
+                return None, []  # a norm's output, not its statistics
         if op in _REDUCTIONS:
-            return current
-        if op in _VIEWS or op in _POINTWISE:
-            todo.extend(
-                a
-                for a in current.args
-                if isinstance(a, torch.fx.Node) and (op in _VIEWS or _numel(a) == numel)
-            )
-    return None
+            return current, []
+        if op not in _VIEWS and op not in _POINTWISE:
+            return None, []
+        args = [a for a in current.args if isinstance(a, torch.fx.Node)]
+        return None, [a for a in args if op in _VIEWS or _numel(a) == numel]
+
+    return _search(node, visit)
 
 
 def _norm_of(reduction: Any) -> str | None:
@@ -208,40 +219,39 @@ def _norm_of(reduction: Any) -> str | None:
     return "row_norm" if op is torch.ops.aten.mean and squared else None  # an RMS norm's
 
 
-def _normalized(node: Any, depth: int = 8) -> str | None:
+def _normalized(node: Any) -> str | None:
     """Which norm's output ``node`` is (through its affine map and views), or None: a
     normalization op's first output, or a tensor of ``node``'s size scaled or shifted by a
     norm's statistic."""
     numel = _numel(node)
-    todo, seen = [node], set()
-    while todo and depth:
-        depth -= 1
-        current = todo.pop()
-        if current in seen or current.op != "call_function":
-            continue
-        seen.add(current)
+
+    def visit(current: Any) -> tuple[str | None, list[Any]]:
         if current.target is operator.getitem:
             source_op = _packet(getattr(current.args[0], "target", None))
-            if current.args[1] == 0 and source_op in _BATCH_NORMS:
-                return "batch_norm"
-            if current.args[1] == 0 and source_op in _ROW_NORMS:
-                return "row_norm"
-            continue
+            if current.args[1] != 0:
+                return None, []
+            if source_op in _BATCH_NORMS:
+                return "batch_norm", []
+            return ("row_norm" if source_op in _ROW_NORMS else None), []
         op = _packet(current.target)
         if op in _VIEWS and current.args:
-            todo.append(current.args[0])
-        elif op in _POINTWISE:
-            for arg in current.args:
-                if not isinstance(arg, torch.fx.Node):
-                    continue
-                if _numel(arg) == numel:
-                    todo.append(arg)
-                    continue
-                reduction = _reduction(arg)
-                norm = _norm_of(reduction) if reduction is not None else None
-                if norm is not None:
-                    return norm
-    return None
+            return None, [current.args[0]]
+        if op not in _POINTWISE:
+            return None, []
+        follow = []
+        for arg in current.args:
+            if not isinstance(arg, torch.fx.Node):
+                continue
+            if _numel(arg) == numel:
+                follow.append(arg)
+                continue
+            reduction = _reduction(arg)
+            norm = _norm_of(reduction) if reduction is not None else None
+            if norm is not None:
+                return norm, []
+        return None, follow
+
+    return _search(node, visit)
 
 
 def _moment_kind(user: Any, ndim: int) -> str | None:
