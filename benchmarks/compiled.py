@@ -1,7 +1,9 @@
 """ACT inside torch.compile, side by side in one run per model: eager plain, compiled plain,
 compiled plain with PyTorch's float8 activation pass, compiled plain with
 ``activation_memory_budget=0.5``, eager ACT (``compress_saved_tensors``) and compiled ACT (the
-same context around the compiled model: its pack and unpack inlined into the graphs).
+same context around the compiled model: its pack and unpack inlined into the graphs); with
+``--route convert``, ACT is ``actcore.convert(model, level)`` (eager, and compiled into one
+graph).
 
 Held: bytes one training forward leaves allocated for backward (CPU: the profiler's self
 memory, independent of actcore; CUDA: ``memory_allocated`` after the forward minus before).
@@ -28,6 +30,7 @@ from torch import nn
 
 import actcore
 from actcore.bench.report import machine_info
+from actcore.bench.zoo import compile_settings
 from actcore.memory import profiled_bytes
 
 VARIANTS = (
@@ -100,41 +103,28 @@ def build(name: str, device: torch.device) -> tuple[nn.Module, Callable[[nn.Modu
     raise SystemExit(f"unknown model {name!r}; choose from gpt, llama, resnet50")
 
 
-@contextlib.contextmanager
-def compile_config(variant: str):
+def compile_config(variant: str) -> Any:
     """The inductor / partitioner settings of ``variant`` while it compiles and runs."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    saved_budget = functorch_config.activation_memory_budget
-    saved_options = dict(inductor_config.post_grad_fusion_options)
-    saved_caches = inductor_config.force_disable_caches
-    inductor_config.force_disable_caches = True  # (a cached graph would skip these passes)
-    try:
-        if variant == "compiled+float8":
-            inductor_config.post_grad_fusion_options["activation_quantization_aten_pass"] = {
-                "allowed_dtypes": "torch.bfloat16;torch.float32",
-                "size_in_mb": 0,
-                "quant_type": "torch.float8_e5m2",
-            }
-        if variant == "compiled+budget0.5":
-            functorch_config.activation_memory_budget = 0.5
-        yield
-    finally:
-        functorch_config.activation_memory_budget = saved_budget
-        inductor_config.force_disable_caches = saved_caches
-        inductor_config.post_grad_fusion_options.clear()
-        inductor_config.post_grad_fusion_options.update(saved_options)
+    if variant == "compiled+float8":
+        return compile_settings("float8")
+    if variant == "compiled+budget0.5":
+        return compile_settings("budget", 0.5)
+    return compile_settings(None)
 
 
-def measure(name: str, variant: str, level: str, device: torch.device, repeats: int) -> dict:
+def measure(
+    name: str, variant: str, level: str, device: torch.device, repeats: int, route: str = "hooks"
+) -> dict:
     model, loss_of = build(name, device)
     model.train()
-    runner: Any = torch.compile(model) if variant.startswith("compiled") else model
     act = variant.endswith("-act")
+    if act and route == "convert":  # the layer route: Q-layers and the model's scope
+        model = actcore.convert(model, level)
+    runner: Any = torch.compile(model) if variant.startswith("compiled") else model
+    hooks = act and route == "hooks"
 
     def forward() -> torch.Tensor:
-        ctx = actcore.compress_saved_tensors(level) if act else contextlib.nullcontext()
+        ctx = actcore.compress_saved_tensors(level) if hooks else contextlib.nullcontext()
         with ctx:
             return loss_of(runner)
 
@@ -142,7 +132,12 @@ def measure(name: str, variant: str, level: str, device: torch.device, repeats: 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    row: dict[str, Any] = {"model": name, "variant": variant, "level": level if act else None}
+    row: dict[str, Any] = {
+        "model": name,
+        "variant": variant,
+        "level": level if act else None,
+        "route": route if act else None,
+    }
     torch._dynamo.reset()
     with compile_config(variant):
         t0 = time.perf_counter()
@@ -179,18 +174,27 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="gpt,llama,resnet50")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--level", default="G1.2", help="the hooks route's level for ACT variants")
+    p.add_argument(
+        "--route",
+        choices=("hooks", "convert"),
+        default="hooks",
+        help="ACT variants through compress_saved_tensors (hooks) or actcore.convert",
+    )
+    p.add_argument(
+        "--level", default=None, help="the ACT variants' level (default: G1.2 hooks, L3 convert)"
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="write the rows (and machine, torch, date) here")
     args = p.parse_args()
+    args.level = args.level or ("G1.2" if args.route == "hooks" else "L3")
     device = torch.device(args.device)
     rows = []
     for name in args.models.split(","):
         base: dict[str, Any] = {}
         for variant in args.variants.split(","):
             try:
-                row = measure(name, variant, args.level, device, args.repeats)
+                row = measure(name, variant, args.level, device, args.repeats, args.route)
             except Exception as e:  # one variant failing leaves the others' rows
                 row = {"model": name, "variant": variant, "error": f"{type(e).__name__}: {e}"}
                 print(f"{name:9s} {variant:20s} ERROR {row['error'][:200]}", flush=True)
@@ -226,7 +230,8 @@ def _write(args: argparse.Namespace, rows: list[dict]) -> None:
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/compiled.py "
-        f"--models {args.models} --level {args.level} --repeats {args.repeats}",
+        f"--models {args.models} --route {args.route} --level {args.level} "
+        f"--repeats {args.repeats}",
         "rows": rows,
     }
     with open(args.json, "w") as fh:

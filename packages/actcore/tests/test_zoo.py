@@ -47,3 +47,31 @@ def test_converted_classifier_keeps_far_less_same_forward_close_gradient(name: s
     # profiler does not see the input, allocated before; the tracker counts it when saved)
     slack = 4 * 3 * 299 * 299 * 4 + 4 * 1000 * 4
     assert abs(l3["retained_bytes"] - l3["profiled_bytes"]) <= slack
+
+
+def test_compile_modes_of_a_variant() -> None:
+    from actcore.bench.zoo import check_variant, compile_mode
+
+    assert compile_mode("L3") == ("L3", None, None)
+    assert compile_mode("fp@compiled") == ("fp", "compiled", None)
+    assert compile_mode("L3-layers@float8") == ("L3-layers", "float8", None)
+    assert compile_mode("fp@budget0.5") == ("fp", "budget", 0.5)
+    for bad in ("fp@budget", "fp@budget1.5", "fp@budget0", "fp@fast"):
+        with pytest.raises(ValueError, match="compile mode"):
+            compile_mode(bad)
+    assert check_variant("ckpt@compiled") == "ckpt@compiled"
+    with pytest.raises(ValueError, match="unknown variant 'L9@compiled'"):
+        check_variant("L9@compiled")
+
+
+def test_compiled_variants_measure_beside_eager() -> None:
+    """``L3@compiled`` (backend aot_eager here, to keep it short) keeps several times fewer
+    bytes than the compiled plain model, its forward is the compiled plain one's."""
+    rows = measure_model(
+        "resnet18", ["fp@compiled", "L3@compiled"], batch=2, image_size=32, steps=0,
+        compile="aot_eager",
+    )  # fmt: skip
+    by = {r["variant"]: r for r in rows}
+    assert by["fp@compiled"]["compile_mode"] == "compiled"
+    assert by["fp@compiled"]["profiled_bytes"] > 4 * by["L3@compiled"]["profiled_bytes"]
+    assert by["L3@compiled"]["grads_finite"]

@@ -5,7 +5,14 @@ Per model (random weights, train mode, cross-entropy on random labels) and per v
 * ``fp``: the plain model, the reference;
 * ``L2``, ``L3``...: ``actcore.convert(model, level)`` with no other option;
 * ``L3-layers``: the same with ``layers_only=True`` (Q-layers only, the rest fp32);
-* ``ckpt``: ``torch.utils.checkpoint`` around every block of the model's stages.
+* ``ckpt``: ``torch.utils.checkpoint`` around every block of the model's stages;
+* ``VARIANT@compiled``: that variant under ``torch.compile`` (inductor, or ``--compile``'s
+  backend); ``@float8``: compiled with inductor's own activation quantization (the
+  partitioner's ``activation_quantization_aten_pass``, float8 e5m2, here for float32 and
+  bfloat16 tensors of every size: by default it takes only bfloat16 ones of 100 MB and
+  more); ``@budget0.5`` (any fraction): compiled with the partitioner's
+  ``activation_memory_budget`` (recompute chosen by a knapsack). So ``fp@compiled,
+  fp@float8, fp@budget0.5, L3, L3@compiled`` set PyTorch's compiled passes beside ACT.
 
 Bytes held for backward are counted by the profiler (:func:`actcore.memory.profiled_bytes`,
 independent of actcore's accounting) and by :func:`actcore.memory.track`; the forward output
@@ -16,6 +23,7 @@ batch, and the step (forward + backward) time is the median of ``--steps`` steps
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import time
@@ -33,6 +41,7 @@ from .models import build_model, check_model, default_image_size, logits
 
 __all__ = [
     "CHECKPOINT",
+    "COMPILE_MODES",
     "DEFAULT_MODELS",
     "FP",
     "LAYERS_SUFFIX",
@@ -41,6 +50,8 @@ __all__ = [
     "check_variant",
     "checkpoint_blocks",
     "columns",
+    "compile_mode",
+    "compile_settings",
     "grad_cosine",
     "main",
     "measure_model",
@@ -50,6 +61,8 @@ __all__ = [
 FP = "fp"
 LAYERS_SUFFIX = "-layers"
 CHECKPOINT = "ckpt"
+COMPILE_MODES = ("compiled", "float8", "budget")
+"""What may follow ``@`` in a variant (``budget`` with a fraction: ``budget0.5``)."""
 DEFAULT_MODELS = [
     "resnet50",
     "mobilenet_v3_small",
@@ -84,10 +97,63 @@ def checkpoint_blocks(model: nn.Module) -> list[str]:
     return names
 
 
+def compile_mode(variant: str) -> tuple[str, str | None, float | None]:
+    """``variant`` split at ``@``: the variant, its compile mode (None: eager) and, for
+    ``budget``, the fraction. ValueError for a mode that is not one of
+    :data:`COMPILE_MODES` or a fraction outside (0, 1]."""
+    base, at, mode = variant.partition("@")
+    if not at:
+        return base, None, None
+    if mode in ("compiled", "float8"):
+        return base, mode, None
+    if mode.startswith("budget"):
+        try:
+            fraction = float(mode[len("budget") :])
+        except ValueError:
+            fraction = -1.0
+        if 0 < fraction <= 1:
+            return base, "budget", fraction
+    raise ValueError(
+        f"unknown compile mode {mode!r} in {variant!r}; valid: @compiled, @float8, "
+        "@budgetF with F in (0, 1] (e.g. @budget0.5)"
+    )
+
+
+@contextlib.contextmanager
+def compile_settings(mode: str | None, fraction: float | None = None) -> Any:
+    """PyTorch's own compiled passes for ``mode`` (see :func:`compile_mode`), set while a
+    variant compiles and runs: ``"float8"`` inductor's activation quantization for float32
+    and bfloat16 tensors of every size (float8 e5m2), ``"budget"`` the partitioner's
+    ``activation_memory_budget=fraction``. Compile caches are off meanwhile (a cached graph
+    would skip the passes)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    if mode not in ("float8", "budget"):
+        yield
+        return
+    options = {
+        "allowed_dtypes": "torch.bfloat16;torch.float32",
+        "size_in_mb": 0,
+        "quant_type": "torch.float8_e5m2",
+    }
+    fusion = {"activation_quantization_aten_pass": options} if mode == "float8" else {}
+    budget_fraction = fraction if mode == "budget" else functorch_config.activation_memory_budget
+    with (
+        inductor_config.patch(force_disable_caches=True),
+        inductor_config.patch(
+            post_grad_fusion_options={**inductor_config.post_grad_fusion_options, **fusion}
+        ),
+        functorch_config.patch(activation_memory_budget=budget_fraction),
+    ):
+        yield
+
+
 def apply_variant(model: nn.Module, variant: str) -> nn.Module:
-    """``model`` with ``variant`` applied (in place)."""
+    """``model`` with ``variant`` applied (in place; its compile mode is not applied here)."""
     import actcore
 
+    variant = compile_mode(variant)[0]
     if variant == FP:
         return model
     if variant == CHECKPOINT:
@@ -99,17 +165,18 @@ def apply_variant(model: nn.Module, variant: str) -> nn.Module:
 
 
 def _forward_backward(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int
-) -> tuple[torch.Tensor, int, int, list[torch.Tensor | None]]:
-    """One seeded step: output, profiler bytes, tracked bytes, parameter gradients."""
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int, *, track: bool = True
+) -> tuple[torch.Tensor, int, int | None, list[torch.Tensor | None]]:
+    """One seeded step: output, profiler bytes, tracked bytes (None without ``track``:
+    a compiled model, which the tracker's module hooks would make recompile), gradients."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    with act_memory.track(model) as tracked:
+    with act_memory.track(model) if track else contextlib.nullcontext() as tracked:
         out, profiled = act_memory.profiled_bytes(model, x)
     out = logits(out)
     nn.functional.cross_entropy(out, y).backward()
     grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
-    return out.detach(), profiled, tracked.retained_bytes, grads
+    return out.detach(), profiled, tracked.retained_bytes if track else None, grads
 
 
 def grad_cosine(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
@@ -144,22 +211,32 @@ def measure_model(
     for variant in [FP, *(v for v in variants if v != FP)]:
         advance(0, description=f"{name} {variant}")
         model = apply_variant(copy.deepcopy(base), variant)
-        if compile is not None:
-            model = torch.compile(model, backend=compile)
-        _forward_backward(model, x, y, seed + 1)  # warm-up: lazy one-time allocations
-        out, profiled, tracked, grads = _forward_backward(model, x, y, seed + 2)
-        times = []
-        for i in range(steps):
+        _, mode, fraction = compile_mode(variant)
+        compiled = compile is not None or mode is not None
+        if compiled:
+            torch._dynamo.reset()
+            model = torch.compile(model, backend=compile or "inductor")
+        with compile_settings(mode, fraction):
             t0 = time.perf_counter()
-            _forward_backward_plain(model, x, y, seed + 3 + i)
-            times.append(time.perf_counter() - t0)
+            _forward_backward(model, x, y, seed + 1, track=not compiled)  # compiles, warms up
+            first = time.perf_counter() - t0
+            out, profiled, tracked, grads = _forward_backward(
+                model, x, y, seed + 2, track=not compiled
+            )
+            times = []
+            for i in range(steps):
+                t0 = time.perf_counter()
+                _forward_backward_plain(model, x, y, seed + 3 + i)
+                times.append(time.perf_counter() - t0)
         row: dict[str, Any] = {
             "benchmark": "zoo",
             "model": name,
             "variant": variant,
             "batch": batch,
             "image_size": size,
-            "compile": compile,
+            "compile": compile or (mode and "inductor"),
+            "compile_mode": mode,
+            "first_step_s": first,
             "profiled_bytes": profiled,
             "retained_bytes": tracked,
             "step_time_s": statistics.median(times) if times else None,
@@ -192,6 +269,7 @@ def columns() -> list[report.Column]:
         report.Column("forward_equal", "same forward", lambda v: "yes" if v else "NO"),
         report.Column("grad_cosine", "grad cosine", report.fmt_float(3)),
         report.Column("step_time_s", "step s", report.fmt_float(2)),
+        report.Column("first_step_s", "first step s", report.fmt_float(1)),
         report.Column("time_vs_fp", "time / fp", report.fmt_float(2, "x")),
         report.Column("error", "error", justify="left"),
     ]
@@ -209,7 +287,9 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
     p.add_argument(
         "--levels",
         default="L2,L3,L3-layers,ckpt",
-        help="variants: convert levels, LEVEL-layers (layers_only), ckpt (checkpointing)",
+        help="variants: convert levels, LEVEL-layers (layers_only), ckpt (checkpointing); "
+        "VARIANT@compiled, @float8 (inductor's activation quantization), @budget0.5 "
+        "(activation_memory_budget) compile that variant",
     )
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--image-size", type=int, default=None)
@@ -229,16 +309,20 @@ def check_variant(variant: str) -> str:
     """``variant`` if valid, else ValueError naming it and what is allowed."""
     from ..config import LEVELS, level_spec
 
-    if variant in (FP, CHECKPOINT):
+    base = compile_mode(variant)[0]  # (ValueError for a bad mode)
+    if base in (FP, CHECKPOINT):
         return variant
-    level = variant[: -len(LAYERS_SUFFIX)] if variant.endswith(LAYERS_SUFFIX) else variant
+    level = base[: -len(LAYERS_SUFFIX)] if base.endswith(LAYERS_SUFFIX) else base
     try:
         level_spec(level)  # the layer route's own resolver: zoo variants use convert
         return variant
     except ValueError:
         pass
     valid = [FP, CHECKPOINT, *LEVELS, *(f"{lv}{LAYERS_SUFFIX}" for lv in LEVELS)]
-    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(valid)}")
+    raise ValueError(
+        f"unknown variant {variant!r}; valid: {', '.join(valid)}, each optionally with "
+        "@compiled, @float8 or @budgetF"
+    )
 
 
 def _validate(args: argparse.Namespace) -> None:
