@@ -259,3 +259,34 @@ def test_transposed_saved_tensors_keep_their_strides() -> None:
     torch._dynamo.reset()
     torch.compile(model, fullgraph=True, backend=BACKEND)(x).backward()
     assert torch.isfinite(model.lin.weight.grad).all()
+
+
+def test_sequence_lengths_share_one_dynamic_graph() -> None:
+    """Compiled with ``dynamic=True``, a converted GPT runs three sequence lengths on one
+    graph (no recompilation), each step with finite gradients."""
+    model, _, loss = _gpt("llama")()
+    model = actcore.convert(model, "L3")
+    torch._dynamo.reset()
+    fn = torch.compile(model, fullgraph=True, dynamic=True, backend=BACKEND)
+    idx = torch.randint(0, 65, (4, 64), generator=torch.Generator().manual_seed(2))
+    _step(model, fn, (idx[:, :32], idx[:, 1:33]), loss)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t in (48, 63):
+            assert torch.isfinite(_step(model, fn, (idx[:, :t], idx[:, 1 : t + 1]), loss)).all()
+
+
+def test_bf16_autocast_forward_is_the_compiled_plain_one() -> None:
+    base, args, _ = _gpt("gpt")()
+    outs = []
+    for level in (None, "L3"):
+        model = (
+            copy.deepcopy(base) if level is None else actcore.convert(copy.deepcopy(base), level)
+        )
+        torch._dynamo.reset()
+        fn = torch.compile(model, fullgraph=True, backend=BACKEND)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(*args)
+        out.backward()
+        outs.append(out.detach())
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert torch.equal(outs[0], outs[1])
