@@ -290,3 +290,21 @@ def test_bf16_autocast_forward_is_the_compiled_plain_one() -> None:
         outs.append(out.detach())
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_layers_only_still_compresses_when_compiled() -> None:
+    """Without a scope (``layers_only=True``) nothing would pack a compiled graph's saves:
+    its Q-layers run eagerly, compressing, between graphs."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
+    x = torch.randn(64, 256)
+    held = {}
+    for name, model in (
+        ("plain", copy.deepcopy(base)),
+        ("layers", actcore.convert(copy.deepcopy(base), "L3", layers_only=True)),
+    ):
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend=BACKEND)
+        fn(x).sum().backward()
+        held[name] = profiled_bytes(lambda fn=fn: fn(x).sum())[1]
+    assert held["plain"] > 4 * held["layers"], held

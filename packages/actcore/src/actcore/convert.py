@@ -23,7 +23,7 @@ from .fewbit.convert import (
     is_fewbit,
     swap_activation,
 )
-from .layers.modules import Q_LAYERS, QLayer, unsupported_reason
+from .layers.modules import Q_LAYERS, ConvertedLayer, QLayer, unsupported_reason
 from .layers.recompute import RecomputedModule, recomputed_class
 from .layers.scope import attach_scope, detach_scope
 from .policies import Policy
@@ -168,6 +168,10 @@ def convert(
     else:
         attach_scope(model, spec, fewbit_bits=fewbit_bits, excluded=list(done.excluded.values()))
     report.scope = None if layers_only else repr(getattr(model, "act_scope", None))
+    in_scope = not layers_only and spec.packs
+    for module in model.modules():
+        if isinstance(module, ConvertedLayer):
+            module.act_in_scope = in_scope
     plan = model.__dict__.pop("act_memory_plan", None)  # every Q-layer at `level` again
     if plan is not None and plan.recompute:  # and no block recomputed by a plan
         for name, module in model.named_modules():

@@ -31,11 +31,14 @@ class ConvertedLayer:
     :class:`~actcore.layers.stash.Scheme`, e.g. :class:`actcore.adaptive.AdaptiveBits`),
     None for the level's fixed bits.
     ``act_level`` is the level's name, and setting it resolves a name into ``act_spec``.
+    ``act_in_scope``: whether a model scope compresses around it (``convert`` without
+    ``layers_only``), whose hooks then pack its saves inside compiled graphs.
     """
 
     act_spec: LevelSpec | None = None
     act_name: str | None = None
     act_scheme: Scheme | None = None
+    act_in_scope: bool = False  # inside a converted model's scope (see QLayer.__call__)
 
     @property
     def act_level(self) -> str | None:
@@ -54,10 +57,14 @@ class QLayer(ConvertedLayer):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A Q-layer is its own tailored treatment: the functional-op router of a converted
         # model's scope has nothing to do inside it (and would only add per-call overhead).
-        # Traced by torch.compile it is its plain module (``needs_saving`` is False there):
-        # the scope's saved-tensor hooks, inlined into the compiled graph, pack its saves.
+        # Traced by torch.compile inside a scope it is its plain module (``needs_saving`` is
+        # False there): the scope's saved-tensor hooks, inlined into the compiled graph,
+        # pack its saves. Without a scope (``layers_only``, a layer built directly) nothing
+        # would, so it runs eagerly, compressing (a graph break).
         if torch.compiler.is_compiling():
-            return super().__call__(*args, **kwargs)  # type: ignore[misc]
+            if self.act_in_scope:
+                return super().__call__(*args, **kwargs)  # type: ignore[misc]
+            return _outside_compile(super().__call__, args, kwargs)  # type: ignore[misc]
         if transforms_active():
             self._check_transformable()
         return call_outside_modes(super().__call__, args, kwargs)  # type: ignore[misc]
@@ -81,6 +88,13 @@ class QLayer(ConvertedLayer):
     def extra_repr(self) -> str:
         base = super().extra_repr()  # type: ignore[misc]
         return base if self.act_level is None else f"{base}, act_level={self.act_level!r}"
+
+
+@torch.compiler.disable
+def _outside_compile(call: Any, args: tuple, kwargs: dict) -> Any:
+    """``call`` run eagerly under torch.compile (a graph break): a Q-layer's own
+    compression, with its identity tables and fresh seeds, which a trace would freeze."""
+    return call_outside_modes(call, args, kwargs)
 
 
 def unsupported_reason(module: nn.Module) -> str | None:
