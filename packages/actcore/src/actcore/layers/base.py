@@ -60,9 +60,9 @@ class QLayer(ConvertedLayer):
         # Traced by torch.compile inside a scope it is its plain module (``needs_saving`` is
         # False there): the scope's saved-tensor hooks, inlined into the compiled graph,
         # pack its saves. Without a scope (``layers_only``, a layer built directly) nothing
-        # would, so it runs eagerly, compressing (a graph break).
+        # would, so at a level that packs it runs eagerly, compressing (a graph break).
         if torch.compiler.is_compiling():
-            if self.act_in_scope:
+            if self.act_in_scope or not layer_spec(self).packs:
                 return super().__call__(*args, **kwargs)  # type: ignore[misc]
             return _outside_compile(super().__call__, args, kwargs)  # type: ignore[misc]
         if transforms_active():
