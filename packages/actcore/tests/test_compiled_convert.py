@@ -308,3 +308,17 @@ def test_layers_only_still_compresses_when_compiled() -> None:
         fn(x).sum().backward()
         held[name] = profiled_bytes(lambda fn=fn: fn(x).sum())[1]
     assert held["plain"] > 4 * held["layers"], held
+
+
+def test_a_zero_channel_in_half_precision_stays_finite() -> None:
+    """A channel of zeros gets a scale its dtype holds (fp16's smallest normal, not 2^-126,
+    which fp16 rounds to 0 and would divide 0 by 0)."""
+    a = torch.randn(64, 32, dtype=torch.float16)
+    a[:, 3] = 0
+    w = torch.randn(32, 16, dtype=torch.float16, requires_grad=True)
+    fn = torch.compile(lambda a, w: (a @ w).float().square().sum(), backend=BACKEND)
+    torch._dynamo.reset()
+    with actcore.compress_saved_tensors("G1.2", min_numel=256):
+        loss = fn(a, w)
+    loss.backward()
+    assert torch.isfinite(w.grad).all()

@@ -256,7 +256,7 @@ def _channel_scale(data: Tensor) -> Tensor:
     :class:`~actcore.compressors.ChannelScaled`, in the traceable form). Powers of two divide
     and multiply exactly, so stochastic rounding stays unbiased."""
     amax = data.detach().abs().flatten(0, -2).amax(0).float()
-    tiny = torch.finfo(torch.float32).tiny
+    tiny = torch.finfo(data.dtype).tiny  # (an all-zero channel: a scale the dtype holds)
     return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(tiny)))).to(data.dtype)
 
 
