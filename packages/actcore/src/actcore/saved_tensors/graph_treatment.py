@@ -203,19 +203,10 @@ def _norm_of(reduction: Any) -> str | None:
         return "batch_norm"
     if op in _ROW_NORMS:
         return "row_norm"
-    source = reduction.args[0] if reduction.args else None
-    ndim = (
-        len(source.meta["val"].shape)
-        if isinstance(source, torch.fx.Node) and "val" in source.meta
-        else 0
-    )
     if op in _MOMENTS:
-        return _moment_kind(reduction, ndim)
-    squared = (
-        isinstance(source, torch.fx.Node)
-        and _packet(source.target) is torch.ops.aten.pow
-        and source.args[1:2] == (2,)
-    )
+        return _moment_kind(reduction)
+    source = reduction.args[0] if reduction.args else None
+    squared = isinstance(source, torch.fx.Node) and _square(source)
     return "row_norm" if op is torch.ops.aten.mean and squared else None  # an RMS norm's
 
 
@@ -254,26 +245,33 @@ def _normalized(node: Any) -> str | None:
     return _search(node, visit)
 
 
-def _moment_kind(user: Any, ndim: int) -> str | None:
+def _moment_kind(user: Any) -> str | None:
     """A decomposed norm by the dimensions of its ``var_mean``: over the batch dimension a
     batch norm, over each sample's features a row norm."""
     dims = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim")
+    source = user.args[0] if user.args else None
+    val = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    ndim = val.dim() if isinstance(val, Tensor) else 0
     if dims is None:
         return None
     dims = [dims] if isinstance(dims, int) else list(dims)
     return "batch_norm" if any(d % max(ndim, 1) == 0 for d in dims) else "row_norm"
 
 
+def _square(node: Any) -> bool:
+    """Whether ``node`` is ``x ** 2``."""
+    return _packet(node.target) is torch.ops.aten.pow and node.args[1:2] == (2,)
+
+
 def _mean_of_square(user: Any) -> bool:
     """Whether ``user`` squares its input for a mean (``mean(x ** 2)``: an RMS norm)."""
-    square = _packet(user.target) is torch.ops.aten.pow and user.args[1:2] == (2,)
-    return square and any(_packet(u.target) is torch.ops.aten.mean for u in user.users)
+    return _square(user) and any(_packet(u.target) is torch.ops.aten.mean for u in user.users)
 
 
 def _forward_kinds(node: Any) -> set[str]:
     """What the forward does with ``node``: the kinds of :class:`KindBits` it is an input of."""
     kinds: set[str] = set()
-    for op, user, pos, read in _uses([node]):
+    for op, user, pos, _ in _uses([node]):
         if op in _PRODUCT_INPUTS:
             if not (pos == 0 and op in (torch.ops.aten.addmm, torch.ops.aten.baddbmm)):
                 kinds.add("product")  # (addmm's first argument is its bias)
@@ -284,7 +282,7 @@ def _forward_kinds(node: Any) -> set[str]:
         elif op in _SMOOTH:
             kinds.add("activation")
         elif op in _MOMENTS:
-            kind = _moment_kind(user, len(read.meta["val"].shape) if "val" in read.meta else 0)
+            kind = _moment_kind(user)
             kinds.update([kind] if kind else [])
         elif _mean_of_square(user):
             kinds.add("row_norm")  # an RMS norm, decomposed
