@@ -24,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -55,7 +56,7 @@ namespace actcore_cpu {
 namespace {
 
 // Bumped whenever the registered ops or the C entry points change; loader.py checks it.
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 constexpr int64_t kChunk = 1024;           // elements per inner pass (a multiple of 8)
 constexpr int64_t kGrainElements = 1 << 15;  // least work per parallel task
 constexpr uint32_t kMultA = 0x21F0AAADu;
@@ -1050,6 +1051,17 @@ __attribute__((visibility("default"))) void actcore_cpu_unregister() {
 // 1 when the hot loops run their AVX2 variant on this CPU.
 __attribute__((visibility("default"))) int actcore_cpu_uses_avx2() {
   return actcore_cpu::has_avx2() ? 1 : 0;
+}
+
+// How many threads the kernels' at::parallel_for runs on now: 1 when the library was built
+// without the OpenMP that ATen's parallel backend needs in the caller (or torch runs one).
+__attribute__((visibility("default"))) int actcore_cpu_parallel_threads() {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) {
+    const int t = at::get_thread_num();
+    seen.fetch_or(uint64_t(1) << (t < 63 ? t : 63));
+  });
+  return __builtin_popcountll(seen.load());
 }
 
 }  // extern "C"

@@ -177,6 +177,25 @@ def test_status_reports_the_cpu_kernels(native_cpu, capsys):
     assert info["cpu"]["active"] and info["cpu"]["build_dir"]
 
 
+@pytest.mark.skipif(
+    not build.cpu_openmp_flags(), reason="torch's CPU ops do not run on OpenMP here"
+)
+def test_kernels_run_on_torchs_threads(native_cpu):
+    """Built with OpenMP, as ATen's parallel backend needs: without it at::parallel_for ran
+    every kernel on one thread. The library follows ``torch.set_num_threads``."""
+    handle = loader._CPU_STATE.handle
+    assert handle is not None
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert handle.actcore_cpu_parallel_threads() == 2
+        assert loader.status()["cpu"]["threads"] == 2
+        torch.set_num_threads(1)
+        assert handle.actcore_cpu_parallel_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_plan_flags_keep_exactness():
     plan = build.plan_cpu_build()
     if sys.platform != "win32":

@@ -136,7 +136,9 @@ def _cpu_row(cpu: dict[str, Any]) -> str:
     """One line on the CPU kernels (csrc/cpu_kernels.cpp)."""
     if cpu["active"]:
         isa = "AVX2" if cpu["avx2"] else "baseline ISA"
-        return f"active ({isa}), {cpu['library']}"
+        threads = cpu.get("threads")
+        on = f", {threads} thread{'s' if threads != 1 else ''}" if threads else ""
+        return f"active ({isa}{on}), {cpu['library']}"
     if cpu["attempted"]:
         return f"not active: {cpu['error'] or 'switched off in this process'}"
     if cpu["disabled"]:

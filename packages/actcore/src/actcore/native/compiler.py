@@ -46,6 +46,7 @@ def compile_library(
     *,
     with_cuda: bool,
     verbose: bool,
+    ld_flags: Sequence[str] = (),
 ) -> Path:
     """``cpp_extension.load`` of a library (not a Python module); NativeBuildError on failure."""
     import logging
@@ -65,6 +66,7 @@ def compile_library(
             sources=[str(s) for s in sources],
             extra_cflags=list(cxx_flags),
             extra_cuda_cflags=list(cuda_flags) if with_cuda else None,
+            extra_ldflags=list(ld_flags),
             build_directory=str(build_dir),
             verbose=verbose,
             with_cuda=with_cuda,

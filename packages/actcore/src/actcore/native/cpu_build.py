@@ -20,10 +20,12 @@ __all__ = [
     "CPU_EXTENSION_NAME",
     "CPU_HEADERS",
     "CPU_MSVC_FLAGS",
+    "CPU_OPENMP_FLAGS",
     "CPU_SOURCES",
     "CpuBuildPlan",
     "build_cpu",
     "cpu_cxx_flags",
+    "cpu_openmp_flags",
     "cpu_source_dir",
     "plan_cpu_build",
 ]
@@ -31,12 +33,16 @@ __all__ = [
 CPU_EXTENSION_NAME = "actcore_native_cpu"
 CPU_SOURCES = ("cpu_kernels.cpp",)
 CPU_HEADERS = ("op_args.h", "op_checks.h", "op_registration.h")
-CPU_ABI_VERSION = 3  # csrc/cpu_kernels.cpp: kAbiVersion
+CPU_ABI_VERSION = 4  # csrc/cpu_kernels.cpp: kAbiVersion
 # Bit-exactness with the reference: no fused multiply-add (GCC contracts by default), no
 # fast-math. The hot loops pick their ISA (baseline or AVX2) at run time: no -march flag,
 # so a cached library runs on any CPU of the architecture.
 CPU_CXX_FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-Wno-psabi")
 CPU_MSVC_FLAGS = ("/O2", "/fp:precise")
+# at::parallel_for is a header template: where ATen's backend is OpenMP, its ``#pragma omp
+# parallel`` only splits the work when the extension itself is compiled with OpenMP (without
+# it every kernel ran on one thread). Linked against the libgomp torch has already loaded.
+CPU_OPENMP_FLAGS = ("-fopenmp",)
 
 
 @dataclass(frozen=True)
@@ -58,8 +64,18 @@ def cpu_source_dir() -> Path:
 
 
 def cpu_cxx_flags() -> tuple[str, ...]:
-    """The compiler flags of the CPU kernels on this platform."""
-    return CPU_MSVC_FLAGS if sys.platform == "win32" else CPU_CXX_FLAGS
+    """The compiler flags of the CPU kernels on this platform (with OpenMP on Linux where
+    torch's own parallel backend is OpenMP, so the kernels use torch's threads)."""
+    if sys.platform == "win32":
+        return CPU_MSVC_FLAGS
+    return CPU_CXX_FLAGS + cpu_openmp_flags()
+
+
+def cpu_openmp_flags() -> tuple[str, ...]:
+    """:data:`CPU_OPENMP_FLAGS` on Linux when torch runs its CPU ops on OpenMP, else none
+    (macOS's clang has no ``-fopenmp``; the kernels then run on one thread)."""
+    openmp = torch.backends.openmp.is_available() and "OpenMP" in torch.__config__.parallel_info()
+    return CPU_OPENMP_FLAGS if sys.platform.startswith("linux") and openmp else ()
 
 
 def plan_cpu_build(build_dir: str | os.PathLike | None = None) -> CpuBuildPlan:
@@ -101,4 +117,5 @@ def build_cpu(plan: CpuBuildPlan, verbose: bool = False) -> Path:
         (),
         with_cuda=False,
         verbose=verbose,
+        ld_flags=tuple(f for f in plan.cxx_flags if f in CPU_OPENMP_FLAGS),
     )

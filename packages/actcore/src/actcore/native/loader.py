@@ -268,6 +268,7 @@ def _cpu_library(library: str | os.PathLike) -> ctypes.CDLL:
     lib = _open(library, "actcore_cpu", CPU_ABI_VERSION)
     lib.actcore_cpu_unregister.restype = None
     lib.actcore_cpu_uses_avx2.restype = ctypes.c_int
+    lib.actcore_cpu_parallel_threads.restype = ctypes.c_int
     return lib
 
 
@@ -382,6 +383,7 @@ def cpu_status() -> dict[str, Any]:
     state = _CPU_STATE
     info = _state_status(state, "active", cpu_disabled())
     info["avx2"] = bool(state.handle.actcore_cpu_uses_avx2()) if state.handle else None
+    info["threads"] = int(state.handle.actcore_cpu_parallel_threads()) if state.handle else None
     from . import build
 
     info.update(_plan_status(build.plan_cpu_build))
