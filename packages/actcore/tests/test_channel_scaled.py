@@ -3,6 +3,8 @@ int8 exponents, the largest channels exact), exact where it claims to be, unbias
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -102,3 +104,69 @@ def test_where_groups_mix_channels() -> None:
     inner = Quantize(2)
     assert scaled(inner, torch.zeros(2, 16, 16, 16), 256) is inner
     assert scaled(inner, torch.zeros(8, 64), 256, exact=True).exact == 1
+
+
+def test_a_layer_reuses_its_scales_until_a_refresh() -> None:
+    """ChannelScales keeps one exponents tensor between refreshes (no reductions over the
+    tensor on those steps), finds new ones on a refresh, a new layout, or every
+    REFRESH_EVERY calls without a signal; float16 always finds its own."""
+    from actcore.compressors.channel_scaled import REFRESH_EVERY, ChannelScales, channel_exponents
+
+    x = _tokens(outlier=200.0)
+    scales = ChannelScales()
+    first = scales.exponents_for(x, 1, refresh=False)  # none yet: found
+    assert first is not None and torch.equal(first, channel_exponents(x, 1))
+    assert scales.exponents_for(x * 0.01, 1, refresh=False) is first  # reused as is
+    again = scales.exponents_for(x * 0.01, 1, refresh=True)
+    assert again is not first and torch.equal(again, channel_exponents(x * 0.01, 1))
+    assert torch.equal(first, channel_exponents(x, 1))  # an earlier packing keeps its own
+    assert scales.exponents_for(x[:, :50], 1, refresh=False) is not again  # other channels
+    assert scales.exponents_for(x.double(), 1, refresh=False).shape == (1, 96)  # other dtype
+    assert scales.exponents_for(x.half(), 1, refresh=False) is None
+    counted = ChannelScales()
+    found = [counted.exponents_for(x, 1) for _ in range(2 * REFRESH_EVERY)]
+    fresh = [i for i in range(1, len(found)) if found[i] is not found[i - 1]]
+    assert fresh == [REFRESH_EVERY]
+
+
+def test_stale_scales_keep_the_rounding_unbiased() -> None:
+    """Exponents found on another step's values (here the outlier moved to another channel):
+    the mean of 400 stochastic roundings is within 4 standard errors of x everywhere."""
+    from actcore.compressors.channel_scaled import channel_exponents
+
+    old = _tokens(outlier=200.0)
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
+    x[:, 40] *= 300.0
+    exponents = channel_exponents(old, 1)
+    comp = ChannelScaled(Quantize(2, 256, per_sample=False), exponents=exponents)
+    n = 400
+    total = torch.zeros_like(x)
+    for _ in range(n):
+        tensors, meta = comp.pack(x)
+        assert tensors[meta[1]] is exponents
+        total += comp.unpack(tensors, meta)
+    scale = torch.exp2(exponents.float())
+    step = (x / scale).abs().max() * 2 / 3 * scale  # a group's range over 3 levels, at most
+    assert ((total / n - x).abs() <= 4 * step / 2 / n**0.5).all()
+
+
+def test_converted_linear_refreshes_on_the_schemes_statistics_steps() -> None:
+    """In a converted model at the adaptive level a linear's input scales are found on the
+    statistics steps only; the steps between reuse them."""
+    import actcore
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 96), torch.nn.GELU(), torch.nn.Linear(96, 8))
+    actcore.convert(model, level="L3")
+    scheme = model.act_adaptive
+    scheme.interval = 5
+    x = _tokens(outlier=200.0).requires_grad_()
+    seen = []
+    for _ in range(12):
+        collecting = scheme.collecting()
+        model(x).square().mean().backward()
+        (cache,) = model[2].act_channel_scales.values()
+        seen.append((collecting, cache.exponents))
+    for (_, before), (collecting, now) in itertools.pairwise(seen):
+        assert (now is not before) == collecting
+    assert not all(c for c, _ in seen) and any(c for c, _ in seen[5:])

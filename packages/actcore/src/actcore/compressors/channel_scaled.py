@@ -15,6 +15,11 @@ The scales are powers of two, kept as one int8 exponent per channel, so dividing
 multiplying by them is exact in every float dtype and stochastic rounding stays unbiased:
 ``E[s * q(x / s)] = x``. No host synchronisation: scales and the top channels are computed
 on the device, with a fixed count, never read.
+
+Any power-of-two scale keeps the rounding unbiased, so a layer may reuse the exponents it
+computed on an earlier step (:class:`ChannelScales`): only the variance depends on how
+well they fit the step's values, and finding them costs two reductions over the tensor and
+a dozen small ops, which a steady step then skips.
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ from .base import Compressor, Tensors, Wrapping
 
 __all__ = [
     "OUTLIER_RATIO",
+    "REFRESH_EVERY",
     "ChannelScaled",
+    "ChannelScales",
     "channel_dim",
+    "channel_exponents",
     "exact_channels",
     "joint_top",
     "scaled",
@@ -82,6 +90,51 @@ def _max_exponent(dtype: torch.dtype) -> int:
     return min(int(math.log2(torch.finfo(dtype).max)), int(math.log2(_MAX_SCALE)))
 
 
+def channel_exponents(x: torch.Tensor, dim: int, ratio: float = OUTLIER_RATIO) -> torch.Tensor:
+    """int8 ``e`` per channel of ``x`` along ``dim`` (shaped to broadcast against ``x``): the
+    outlier channels' power-of-two scale exponents, 0 for the others."""
+    # at most the dtype's largest power of two (fp16: 2**15), so the scale is finite
+    return _exponents(_channel_amax(x, dim), ratio).clamp_max_(_max_exponent(x.dtype))
+
+
+REFRESH_EVERY = 10
+"""Without a refresh signal (a layer with no adaptive statistics steps), :class:`ChannelScales`
+finds the exponents again on every this many packings."""
+
+
+class ChannelScales:
+    """One layer's channel-scale exponents, found on a step that refreshes them and reused on
+    the others while the tensor's channels, dtype and device are the same.
+
+    Not for float16, whose narrow exponent range could underflow a channel whose values
+    shrank since (its exponents are found on every step)."""
+
+    __slots__ = ("exponents", "signature", "uses")
+
+    def __init__(self) -> None:
+        self.exponents: torch.Tensor | None = None
+        self.signature: tuple | None = None
+        self.uses = 0
+
+    def exponents_for(
+        self, x: torch.Tensor, dim: int, refresh: bool | None = None
+    ) -> torch.Tensor | None:
+        """The exponents to scale ``x`` by: found again when ``refresh`` (None: every
+        :data:`REFRESH_EVERY` calls) or when ``x`` differs in layout, else reused; None for
+        float16 (the packing finds them). A refresh makes a new tensor: packings made
+        before keep theirs."""
+        if x.dtype == torch.float16:
+            return None
+        signature = (x.dim(), dim, x.shape[dim], x.dtype, x.device)
+        if refresh is None:
+            refresh = self.uses % REFRESH_EVERY == 0
+        self.uses += 1
+        if refresh or self.exponents is None or signature != self.signature:
+            self.exponents = channel_exponents(x.detach(), dim)
+            self.signature = signature
+        return self.exponents
+
+
 def joint_top(a: torch.Tensor, b: torch.Tensor, dim: int, count: int) -> torch.Tensor:
     """The ``count`` channels along ``dim`` with the largest ``amax(a) * amax(b)``: those of a
     product ``sum_c a_c b_c`` (attention's ``q k^T``) whose rounding moves it most, to keep
@@ -115,16 +168,24 @@ def scaled(
     group_size: int,
     exact: bool = False,
     dim: int | None = None,
+    scales: ChannelScales | None = None,
+    refresh: bool | None = None,
 ) -> Compressor:
     """``comp`` wrapped in :class:`ChannelScaled` where ``x``'s groups mix channels
     (``exact``: with :func:`exact_channels` of them kept as they are); ``dim``: the channel
-    dim when the caller knows it (else :func:`channel_dim`)."""
+    dim when the caller knows it (else :func:`channel_dim`); ``scales``: the layer's
+    exponents, reused unless ``refresh`` (see :meth:`ChannelScales.exponents_for`; not with
+    ``exact``)."""
     if dim is None:
         dim = channel_dim(x, group_size)
     if dim is None or x.dim() == 0 or x.shape[dim] < 2:
         return comp
     keep = exact_channels(x.shape[dim]) if exact else 0
-    return ChannelScaled(comp, dim, exact=min(keep, x.shape[dim] - 1))
+    keep = min(keep, x.shape[dim] - 1)
+    found = None
+    if scales is not None and keep == 0:
+        found = scales.exponents_for(x, dim % x.dim(), refresh)
+    return ChannelScaled(comp, dim, exact=keep, exponents=found)
 
 
 @dataclass(frozen=True)
@@ -140,6 +201,9 @@ class ChannelScaled(Wrapping):
     # the ``exact`` channels' indices when the caller chose them (attention keeps the same
     # dims of q and k), else the tensor's own largest
     top: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # the scale exponents when the caller has them (see ChannelScales; without ``exact``),
+    # else found from the tensor
+    exponents: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -147,6 +211,10 @@ class ChannelScaled(Wrapping):
 
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         dim = self.dim % x.dim()
+        if self.exponents is not None and not self.exact:
+            scale = torch.exp2(self.exponents.float()).to(x.dtype)
+            tensors, meta = self.inner.pack(x / scale)
+            return (*tensors, self.exponents), (meta, len(tensors), dim)
         amax = _channel_amax(x, dim)
         extra: tuple[torch.Tensor, ...] = ()
         if self.exact:
@@ -175,4 +243,5 @@ class ChannelScaled(Wrapping):
 
     def key(self) -> tuple:
         chosen = None if self.top is None else id(self.top)
-        return (self.name, self.dim, self.ratio, self.exact, chosen, *self.inner.key())
+        found = None if self.exponents is None else id(self.exponents)
+        return (self.name, self.dim, self.ratio, self.exact, chosen, found, *self.inner.key())

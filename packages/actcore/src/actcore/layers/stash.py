@@ -26,7 +26,7 @@ from ..compressors import (
     Tensors,
     ZeroValue,
 )
-from ..compressors.channel_scaled import scaled
+from ..compressors.channel_scaled import ChannelScales, scaled
 from ..config import LevelSpec, config
 from ..memory import saved_hooks
 from ..saved_tensors.handles import check_version
@@ -199,9 +199,35 @@ def choose(layer: Any, role: str, x: torch.Tensor, channel_dim: int | None = Non
         else:
             base = Quantize(bits, config.group_size, stochastic=config.stochastic)
         if role in roles.SCALED_ROLES and not isinstance(base, ZeroValue):
-            # outlier channels apart; exact where backward is nonlinear in the tensor
-            base = scaled(base, x, config.group_size, exact=role != CONV, dim=channel_dim)
+            # outlier channels apart; exact where backward is nonlinear in the tensor (a
+            # conv / linear input reuses its scales between the scheme's statistics steps)
+            cache = _channel_scales(layer, role, x) if role == CONV else None
+            refresh = getattr(scheme, "collecting", None)
+            base = scaled(
+                base,
+                x,
+                config.group_size,
+                exact=role != CONV,
+                dim=channel_dim,
+                scales=cache,
+                refresh=None if refresh is None else refresh(),
+            )
     return Swap(base) if spec.swap else base
+
+
+def _channel_scales(layer: Any, role: str, x: torch.Tensor) -> ChannelScales | None:
+    """``layer``'s :class:`ChannelScales` for inputs like ``x`` in ``role`` (made on first
+    use; a plain attribute, not state: found again after a load)."""
+    if layer is None:
+        return None
+    table = getattr(layer, "act_channel_scales", None)
+    if table is None:
+        table = {}
+        try:
+            object.__setattr__(layer, "act_channel_scales", table)
+        except AttributeError:  # (a layer object that takes no attributes)
+            return None
+    return table.setdefault((role, x.dim()), ChannelScales())
 
 
 def observe(

@@ -1,0 +1,166 @@
+"""Step time of converted models against plain PyTorch, paired in one process (the speed issue).
+
+    python benchmarks/speed.py --json benchmarks/results/cpu-speed-<date>.json
+    python benchmarks/speed.py --models mobilenet_v3_small --rounds 3
+
+For each model every variant (plain, L0, the default level) is built once, warmed past the
+adaptive plan's first replan, then stepped in interleaved rounds (one step of each variant
+per round, so machine load falls on all alike). Reported per variant: the median step over
+the steady steps (no statistics taken), the mean over all measured steps (the adaptive
+window's statistics steps included, 4 in every 20), and the ATen calls of one steady step
+and of one statistics step (torch.profiler count). Batch and sizes are the issue's: ResNet-50
+batch 4 at 224x224, mobilenet_v3_small and efficientnet_b0 batch 4 at 64x64, the character
+GPT of ``actcore bench train`` (4 layers, width 128, batch 12 x 64 tokens), SGD with AdamW's
+cost left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import date
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import actcore
+from actcore.bench.calls import count_calls
+from actcore.bench.gpt import CharGPT, GPTConfig
+
+VARIANTS = ("plain", "L0", "L3")
+WARM = 21  # past the first replan (interval 20)
+
+
+def _vision(name: str, batch: int, size: int) -> Callable[[], tuple[nn.Module, Callable]]:
+    def build() -> tuple[nn.Module, Callable]:
+        import torchvision
+
+        torch.manual_seed(0)
+        model = getattr(torchvision.models, name)(num_classes=10)
+        x, y = torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,))
+        return model, lambda m: F.cross_entropy(m(x), y)
+
+    return build
+
+
+def _gpt() -> tuple[nn.Module, Callable]:
+    torch.manual_seed(0)
+    model = CharGPT(GPTConfig(vocab_size=65))
+    ids = torch.randint(0, 65, (12, 65))
+    return model, lambda m: m(ids[:, :-1], ids[:, 1:])
+
+
+MODELS: dict[str, Callable[[], tuple[nn.Module, Callable]]] = {
+    "resnet50": _vision("resnet50", 4, 224),
+    "mobilenet_v3_small": _vision("mobilenet_v3_small", 4, 64),
+    "efficientnet_b0": _vision("efficientnet_b0", 4, 64),
+    "char_gpt": _gpt,
+}
+
+
+def _collecting(model: nn.Module) -> bool:
+    scheme = getattr(model, "act_adaptive", None)
+    return scheme is not None and scheme.collecting()
+
+
+def _count(model: nn.Module, step: Callable[[], None], collecting: bool) -> int:
+    """ATen calls of the next step that does (or does not) take statistics."""
+    for _ in range(2 * WARM):
+        if _collecting(model) == collecting:
+            return count_calls(step)[0]
+        step()
+    raise RuntimeError(f"no {'statistics' if collecting else 'steady'} step in {2 * WARM}")
+
+
+def measure(name: str, rounds: int) -> list[dict]:
+    runs = {}
+    for variant in VARIANTS:
+        model, loss_of = MODELS[name]()
+        if variant != "plain":
+            actcore.convert(model, level=variant)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step(model=model, loss_of=loss_of, opt=opt) -> None:
+            opt.zero_grad(set_to_none=True)
+            loss_of(model).backward()
+            opt.step()
+
+        for _ in range(WARM):
+            step()
+        runs[variant] = (model, step, [], [])
+    for _ in range(rounds):
+        for _variant, (model, step, steady, window) in runs.items():
+            collecting = _collecting(model)
+            t0 = time.perf_counter()
+            step()
+            (window if collecting else steady).append(time.perf_counter() - t0)
+    rows = []
+    for variant, (model, step, steady, window) in runs.items():
+        calls = {"steady": _count(model, step, collecting=False)}
+        if getattr(model, "act_adaptive", None) is not None:
+            calls["window"] = _count(model, step, collecting=True)
+        every = steady + window
+        rows.append(
+            {
+                "model": name,
+                "variant": variant,
+                "steady_step_s": statistics.median(steady),
+                "mean_step_s": statistics.fmean(every),
+                "steps": {"steady": len(steady), "window": len(window)},
+                "aten_calls": calls,
+            }
+        )
+    plain = rows[0]
+    for row in rows:
+        row["steady_vs_plain"] = row["steady_step_s"] / plain["steady_step_s"]
+        row["mean_vs_plain"] = row["mean_step_s"] / plain["mean_step_s"]
+        row["calls_vs_plain"] = row["aten_calls"]["steady"] / plain["aten_calls"]["steady"]
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS)
+    )
+    p.add_argument("--rounds", type=int, default=20, help="interleaved measured steps per variant")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--json", default=None, help="write the rows (and the machine) here")
+    args = p.parse_args()
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; valid: {', '.join(MODELS)}")
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in args.models.split(","):
+        for row in measure(name, args.rounds):
+            rows.append(row)
+            calls = row["aten_calls"]
+            print(
+                f"{name:20s} {row['variant']:6s} steady {row['steady_step_s'] * 1e3:8.1f} ms "
+                f"({row['steady_vs_plain']:.2f}x)  mean {row['mean_step_s'] * 1e3:8.1f} ms "
+                f"({row['mean_vs_plain']:.2f}x)  ATen calls {calls}",
+                flush=True,
+            )
+    if args.json:
+        from actcore.native import loader
+
+        loader.load_cpu(warn=False)
+        meta = {
+            "date": date.today().isoformat(),
+            "machine": platform.processor() or platform.machine(),
+            "threads": args.threads,
+            "torch": torch.__version__,
+            "cpu_kernels": loader.cpu_status().get("threads"),
+        }
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
