@@ -487,3 +487,68 @@ def test_sample_index_no_host_reads_between_replans(monkeypatch: pytest.MonkeyPa
     model(x).square().mean().backward()
     monkeypatch.undo()
     assert model.act_adaptive.layers["0"].grads[16:32].isfinite().all()
+
+
+def _one_average(old, seen, new, momentum):
+    """One statistic's update, written out: ``new`` enters only if all of it is finite."""
+    new = new.float()
+    if old is None:
+        old, seen = torch.zeros_like(new), 0
+    finite = bool(new.isfinite().all())
+    if not finite:
+        return old, seen, False
+    weight = torch.tensor(momentum if seen > 0 else 0.0)  # (float32, as the statistics)
+    return old.lerp(new, 1.0 - weight), seen + 1, True
+
+
+def test_all_layers_averages_equal_each_layers_own() -> None:
+    """finite_emas (one update per shape) gives bitwise each statistic's own update: values
+    of several shapes, first values, a non-finite value left out, counts of what entered."""
+    from actcore.adaptive.stats import finite_emas, host_emas
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(), (4,), (), (4,), (3,), ()]
+    olds = [
+        None,
+        None,
+        torch.tensor(2.0),
+        torch.rand(4, generator=g),
+        torch.rand(3, generator=g),
+        None,
+    ]
+    seens = [None, None, torch.tensor(3), torch.tensor(0), None, None]
+    news = [torch.rand(s, generator=g) for s in shapes]
+    news[3] = torch.tensor([1.0, float("nan"), 2.0, 3.0])
+    news[5] = torch.tensor(float("inf"))
+    found, taken = finite_emas(list(zip(olds, seens, news, strict=True)), 0.9)
+    entered = []
+    for i, ((avg, seen), old, before, new) in enumerate(zip(found, olds, seens, news, strict=True)):
+        count = 1 if before is None and old is not None else int(before or 0)
+        want, want_seen, took = _one_average(old, count, new, 0.9)
+        assert torch.equal(avg, want), i
+        assert int(seen) == want_seen, i
+        entered.append(took)
+    assert sum(int(t.sum()) for t in taken) == sum(entered) == 4
+    assert sum(t.numel() for t in taken) == len(news) and len(taken) == 3  # one per shape
+    # a later update stacks anew: the averages handed out before stay as they were
+    kept = found[2][0].clone()
+    finite_emas([(found[2][0], found[2][1], torch.tensor(5.0))], 0.9)
+    assert torch.equal(found[2][0], kept)
+    averaged = host_emas([None, torch.tensor(10.0)], [3.0, 20.0], 0.5)
+    assert torch.equal(averaged[0], torch.tensor(3.0)) and torch.equal(
+        averaged[1], torch.tensor(15.0)
+    )
+
+
+def test_averaging_all_layers_costs_fewer_ops_than_one_by_one() -> None:
+    """The statistics of a step are averaged together: 40 of them in one update take less
+    than half the ATen calls of 40 updates of one (nan_to_num, eq, all, where, lerp, add
+    and the scalars they make, per statistic)."""
+    from actcore.adaptive.stats import finite_emas
+    from actcore.bench.calls import count_calls
+
+    g = torch.Generator().manual_seed(0)
+    entries = [(torch.rand(16, generator=g), torch.tensor(2), torch.rand(16, generator=g))] * 40
+    together = count_calls(lambda: finite_emas(entries, 0.9))[0]
+    one_by_one = count_calls(lambda: [finite_emas([e], 0.9) for e in entries])[0]
+    assert together < one_by_one / 2, (together, one_by_one)

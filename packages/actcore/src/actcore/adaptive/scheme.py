@@ -46,7 +46,7 @@ from .plan import (
 from .recording import recording
 from .samples import batch_sample_scale, checked_index, write_norms
 from .state import DEFAULT_WINDOW, STATE_FIELDS, check_same_layers, checked_state, layer_state
-from .stats import LayerStats, ema, finite_ema, gradient_coupling, squared_norm
+from .stats import LayerStats, finite_emas, gradient_coupling, host_emas, squared_norm
 
 __all__ = ["AdaptiveBits", "ScoredPerSampleQuantize"]
 
@@ -128,6 +128,8 @@ class AdaptiveBits:
         # forward statistics of the root forward under way, applied when it returns (a
         # forward that raises adds nothing); None outside a hooked root forward
         self._pending: list[tuple[LayerStats, torch.Tensor, float]] | None = None
+        # sensitivities a backward took, averaged in at its end (one update for all layers)
+        self._sens_pending: list[tuple[LayerStats, torch.Tensor]] = []
         # the attached layers' weight shapes: what a loaded state must have been taken on
         self._weights: dict[str, tuple[int, ...] | None] = {}
         if model is not None:
@@ -265,14 +267,36 @@ class AdaptiveBits:
         if self._pending is not None:
             self._pending.append((stats, profile, elems))
             return
-        self._apply(stats, profile, elems)
+        self._apply([(stats, profile, elems)])
 
-    def _apply(self, stats: LayerStats, profile: torch.Tensor, elems: float) -> None:
-        stats.profile, stats.profile_seen, taken = finite_ema(
-            stats.profile, stats.profile_seen, profile, self.momentum
+    def _apply(self, entries: list[tuple[LayerStats, torch.Tensor, float]]) -> None:
+        """Average a forward's profiles and elements per sample into their layers (together:
+        a few ops for all of them)."""
+        if not entries:
+            return
+        found, taken = finite_emas(
+            [(st.profile, st.profile_seen, profile) for st, profile, _ in entries], self.momentum
         )
-        self._count_skip(taken)
-        stats.elems = ema(stats.elems, torch.tensor(elems), self.momentum)
+        for (st, _, _), (profile, seen) in zip(entries, found, strict=True):
+            st.profile, st.profile_seen = profile, seen
+        elems = host_emas(
+            [st.elems for st, _, _ in entries], [e for _, _, e in entries], self.momentum
+        )
+        for (st, _, _), average in zip(entries, elems, strict=True):
+            st.elems = average
+        self._count_taken(taken)
+
+    def _flush(self) -> None:
+        """Average the sensitivities taken since the last flush into their layers."""
+        pending, self._sens_pending = self._sens_pending, []
+        if not pending:
+            return
+        found, taken = finite_emas(
+            [(st.sens, st.sens_seen, sens) for st, sens in pending], self.momentum
+        )
+        for (st, _), (sens, seen) in zip(pending, found, strict=True):
+            st.sens, st.sens_seen = sens, seen
+        self._count_taken(taken)
 
     def observe(
         self,
@@ -319,10 +343,7 @@ class AdaptiveBits:
                 sens = total * (fan / n)
                 if restored is not None and channel_dim == -1:
                     sens = sens * gradient_coupling(g, restored, config.group_size)
-                stats.sens, stats.sens_seen, taken = finite_ema(
-                    stats.sens, stats.sens_seen, sens, self.momentum
-                )
-                self._count_skip(taken)
+                self._sens_pending.append((stats, sens))  # averaged in at the end
             if per_sample_table:  # the batch's samples' squared gradient norms into the table
                 assert index is not None and table is not None
                 write_norms(table, index, norms, self.sample_momentum)
@@ -344,17 +365,20 @@ class AdaptiveBits:
 
     def _end_backward(self) -> None:
         self._task = None
+        self._flush()
         self.steps += 1
         if self.steps % self.interval == 0:
             self.replan()
 
-    def _count_skip(self, taken: torch.Tensor) -> None:
-        device = taken.device
-        counter = self._taken.get(device)
-        if counter is None:
-            counter = self._taken[device] = torch.zeros((), dtype=torch.int64, device=device)
-        counter.add_(taken)
-        self._tried[device] = self._tried.get(device, 0) + 1
+    def _count_taken(self, taken: list[torch.Tensor]) -> None:
+        """Count updates tried and (on the device) taken, for :meth:`_read_skipped`."""
+        for group in taken:
+            device = group.device
+            counter = self._taken.get(device)
+            if counter is None:
+                counter = self._taken[device] = torch.zeros((), dtype=torch.int64, device=device)
+            counter.add_(group.sum())
+            self._tried[device] = self._tried.get(device, 0) + group.numel()
 
     def _read_skipped(self) -> None:
         """Fold the device counters into :attr:`skipped` (a host read: at replans only)."""
@@ -385,10 +409,12 @@ class AdaptiveBits:
 
     def _items(self) -> list[tuple[str, int, float, float]]:
         """``(layer, rank, weight, cost)`` of every allocation unit (host values)."""
+        self._flush()
         return allocation_items(self.layers, self.steps, self.window)
 
     def replan(self) -> None:
         """Recompute the plan from the statistics so far (reads them back: one sync)."""
+        self._flush()
         self._read_skipped()
         plans = ranked_plans(self.layers, self._items(), self.budget, self.min_bits, self.max_bits)
         for name, plan in plans.items():
@@ -406,6 +432,7 @@ class AdaptiveBits:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to replan as this one would."""
+        self._flush()
         self._read_skipped()
         state: dict[str, Any] = {key: getattr(self, key) for key in STATE_FIELDS}
         state["layers"] = {name: layer_state(st) for name, st in self.layers.items()}
@@ -433,6 +460,7 @@ class AdaptiveBits:
         self.layers.update(layers)
         self._index_end = index_end
         self._taken, self._tried = {}, {}
+        self._sens_pending = []
         self._task = None
 
 
@@ -466,5 +494,4 @@ def _forward_ends(module: nn.Module, args: Any, output: Any) -> None:
         return
     pending, scheme._pending = scheme._pending, None
     if not forward_raised(output):
-        for stats, profile, elems in pending:
-            scheme._apply(stats, profile, elems)
+        scheme._apply(pending)

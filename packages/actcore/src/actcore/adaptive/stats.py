@@ -1,10 +1,11 @@
 """Per-layer statistics of adaptive bits: what a layer keeps, and how a step's values enter.
 
 :class:`LayerStats` holds one layer's running statistics (device tensors) and its plan (host
-ints); :func:`ema` and :func:`finite_ema` take a step's value into an exponential average
-on the device (a non-finite value left out and reported, with no host sync), :func:`has_finite`
-reads whether one holds a finite value (at replans only); :func:`gradient_coupling` is the factor
-``kappa`` of a linear layer's sensitivity. The variance model they feed is in
+ints); :func:`finite_emas` takes a step's values into their exponential averages on the
+device (a non-finite value left out and reported, with no host sync), all layers' at once
+(a few ops per step, not a dozen per layer), :func:`host_emas` the same for host values;
+:func:`has_finite` reads whether one holds a finite value (at replans only);
+:func:`gradient_coupling` is the factor ``kappa`` of a linear layer's sensitivity. The variance model they feed is in
 :mod:`actcore.adaptive`.
 """
 
@@ -38,13 +39,6 @@ class LayerStats:
     profile_seen: torch.Tensor | None = None
 
 
-def ema(old: torch.Tensor | None, new: torch.Tensor, momentum: float) -> torch.Tensor:
-    new = new.detach().float()
-    if old is None or old.shape != new.shape or old.device != new.device:
-        return new.clone()
-    return old.mul_(momentum).add_(new, alpha=1 - momentum)
-
-
 def squared_norm(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """``|t|^2`` (along ``dim``, else whole) as float32. The norm accumulates in float32 in
     every case; a ``dtype=`` argument would first copy the whole tensor to it, so only
@@ -55,34 +49,80 @@ def squared_norm(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return torch.linalg.vector_norm(t, dim=dim).float().square()
 
 
-def finite_ema(
-    old: torch.Tensor | None,
-    seen: torch.Tensor | None,
-    new: torch.Tensor,
-    momentum: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(average, finite values seen, taken)``: ``new`` enters only if all of it is finite.
+def _fresh(old: torch.Tensor | None, new: torch.Tensor) -> bool:
+    return old is None or old.shape != new.shape or old.device != new.device
 
-    Device ops only (no host sync): a non-finite ``new`` leaves the average as it was (zero
-    before any finite value), and ``taken`` is a 0-d bool tensor saying whether it entered.
-    """
-    new = new.detach().float()
-    safe = new.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    taken = safe.eq(new).all()  # every value finite (a NaN or an inf was replaced)
-    fresh = old is None or old.shape != new.shape or old.device != new.device
-    if fresh:
-        old = torch.zeros_like(new)
-        seen = torch.zeros((), dtype=torch.int64, device=new.device)
-    elif seen is None:  # set by hand (tests, old states): holds a finite value already
-        seen = torch.ones((), dtype=torch.int64, device=new.device)
-    assert old is not None and seen is not None
-    # the old average's weight: 1 when this value is left out, else the momentum once a
-    # finite value was seen (0 before: the first one enters whole); one fused update, in
-    # place (the running statistics keep their storage: no allocation outlives the step)
-    weight = torch.where(taken, (seen > 0) * momentum, 1.0)
-    old.lerp_(safe, 1.0 - weight)  # (exact at the ends: a skipped value leaves ``old`` as is)
-    seen.add_(taken)
-    return old, seen, taken
+
+def _by_shape(news: list[torch.Tensor]) -> dict[tuple, list[int]]:
+    """Indices of ``news`` grouped by shape and device (each group stacks into one tensor)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, new in enumerate(news):
+        groups.setdefault((tuple(new.shape), new.device), []).append(i)
+    return groups
+
+
+def finite_emas(
+    entries: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]],
+    momentum: float,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """Each ``(old, seen, new)`` of ``entries`` averaged: ``new`` enters ``old`` (an average,
+    None before the first) with ``momentum`` only if all of it is finite; ``seen`` counts the
+    finite values taken (None: set by hand, holding one). Device ops only, one stack and one
+    update per shape and device.
+
+    Returns each entry's ``(average, seen)`` (views of the group's stacked result: a later
+    update stacks anew and never writes them) and each group's ``taken`` (1-D bool: whether
+    each entry's value entered)."""
+    out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(entries)  # type: ignore[list-item]
+    taken_by_group = []
+    for (shape, device), index in _by_shape([new for _, _, new in entries]).items():
+        news = torch.stack([entries[i][2] for i in index]).detach().float()
+        olds, seens = [], []
+        for i in index:
+            old, seen, new = entries[i]
+            if _fresh(old, new):
+                old, seen = None, torch.zeros((), dtype=torch.int64, device=device)
+            elif seen is None:  # set by hand (tests, old states): holds a finite value already
+                seen = torch.ones((), dtype=torch.int64, device=device)
+            olds.append(old)
+            seens.append(seen)
+        zero = news.new_zeros(shape) if any(old is None for old in olds) else None
+        average = torch.stack([zero if old is None else old for old in olds])
+        seen_all = torch.stack(seens)
+        safe = news.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        same = safe.eq(news)
+        taken = same.flatten(1).all(1) if same.dim() > 1 else same  # per entry: all finite
+        # the old average's weight: 1 when a value is left out, else the momentum once a
+        # finite value was seen (0 before: the first one enters whole; lerp is exact at the
+        # ends, so a skipped value leaves the average as it was)
+        weight = torch.where(taken, (seen_all > 0) * momentum, 1.0)
+        average.lerp_(safe, (1.0 - weight).view(-1, *([1] * len(shape))))
+        seen_all.add_(taken)
+        for i, avg, seen in zip(index, average.unbind(0), seen_all.unbind(0), strict=True):
+            out[i] = (avg, seen)
+        taken_by_group.append(taken)
+    return out, taken_by_group
+
+
+def host_emas(
+    olds: list[torch.Tensor | None], values: list[float], momentum: float
+) -> list[torch.Tensor]:
+    """Each ``old`` (None before the first) averaged with its host value with ``momentum``,
+    as float32 on the CPU, in one update."""
+    if not olds:
+        return []
+    news = torch.tensor(values, dtype=torch.float32)
+    kept = [i for i, old in enumerate(olds) if not _fresh(old, news[0])]
+    out = [news[i].clone() for i in range(len(olds))] if len(kept) < len(olds) else []
+    if kept:
+        average = torch.stack([olds[i] for i in kept])  # type: ignore[misc]
+        rows = news if len(kept) == len(olds) else news[kept]
+        average.mul_(momentum).add_(rows, alpha=1 - momentum)
+        if not out:
+            return list(average.unbind(0))
+        for i, avg in zip(kept, average.unbind(0), strict=True):
+            out[i] = avg
+    return out
 
 
 def has_finite(value: torch.Tensor | None, seen: torch.Tensor | None) -> bool:
