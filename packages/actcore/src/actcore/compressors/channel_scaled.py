@@ -34,7 +34,6 @@ from .base import Compressor, Tensors, Wrapping
 
 __all__ = [
     "OUTLIER_RATIO",
-    "REFRESH_EVERY",
     "ChannelScaled",
     "ChannelScales",
     "channel_dim",
@@ -97,11 +96,6 @@ def channel_exponents(x: torch.Tensor, dim: int, ratio: float = OUTLIER_RATIO) -
     return _exponents(_channel_amax(x, dim), ratio).clamp_max_(_max_exponent(x.dtype))
 
 
-REFRESH_EVERY = 10
-"""Without a refresh signal (a layer with no adaptive statistics steps), :class:`ChannelScales`
-finds the exponents again on every this many packings."""
-
-
 class ChannelScales:
     """One layer's channel-scale exponents, found on a step that refreshes them and reused on
     the others while the tensor's channels, dtype and device are the same.
@@ -109,30 +103,32 @@ class ChannelScales:
     Not for float16, whose narrow exponent range could underflow a channel whose values
     shrank since (its exponents are found on every step)."""
 
-    __slots__ = ("exponents", "signature", "uses")
+    __slots__ = ("exponents", "signature")
 
     def __init__(self) -> None:
         self.exponents: torch.Tensor | None = None
         self.signature: tuple | None = None
-        self.uses = 0
 
-    def exponents_for(
-        self, x: torch.Tensor, dim: int, refresh: bool | None = None
-    ) -> torch.Tensor | None:
-        """The exponents to scale ``x`` by: found again when ``refresh`` (None: every
-        :data:`REFRESH_EVERY` calls) or when ``x`` differs in layout, else reused; None for
-        float16 (the packing finds them). A refresh makes a new tensor: packings made
-        before keep theirs."""
+    def exponents_for(self, x: torch.Tensor, dim: int, refresh: bool) -> torch.Tensor | None:
+        """The exponents to scale ``x`` by: found again when ``refresh`` or when ``x`` differs
+        in layout, else the last ones; None for float16 (the packing finds them).
+
+        A packing gets exponents of its own (a copy of the kept ones, or those just found),
+        allocated with it either way, so a step keeps the same bytes whether it refreshed;
+        the kept ones are a private copy, updated in place (a packing still held, as with
+        gradient accumulation, never sees its exponents change)."""
         if x.dtype == torch.float16:
             return None
         signature = (x.dim(), dim, x.shape[dim], x.dtype, x.device)
-        if refresh is None:
-            refresh = self.uses % REFRESH_EVERY == 0
-        self.uses += 1
-        if refresh or self.exponents is None or signature != self.signature:
-            self.exponents = channel_exponents(x.detach(), dim)
+        if not refresh and self.exponents is not None and signature == self.signature:
+            return self.exponents.clone()
+        found = channel_exponents(x.detach(), dim)
+        if self.exponents is not None and signature == self.signature:
+            self.exponents.copy_(found)
+        else:
+            self.exponents = found.clone()
             self.signature = signature
-        return self.exponents
+        return found
 
 
 def joint_top(a: torch.Tensor, b: torch.Tensor, dim: int, count: int) -> torch.Tensor:
@@ -169,7 +165,7 @@ def scaled(
     exact: bool = False,
     dim: int | None = None,
     scales: ChannelScales | None = None,
-    refresh: bool | None = None,
+    refresh: bool = True,
 ) -> Compressor:
     """``comp`` wrapped in :class:`ChannelScaled` where ``x``'s groups mix channels
     (``exact``: with :func:`exact_channels` of them kept as they are); ``dim``: the channel

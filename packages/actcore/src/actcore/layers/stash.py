@@ -201,16 +201,16 @@ def choose(layer: Any, role: str, x: torch.Tensor, channel_dim: int | None = Non
         if role in roles.SCALED_ROLES and not isinstance(base, ZeroValue):
             # outlier channels apart; exact where backward is nonlinear in the tensor (a
             # conv / linear input reuses its scales between the scheme's statistics steps)
-            cache = _channel_scales(layer, role, x) if role == CONV else None
-            refresh = getattr(scheme, "collecting", None)
+            collecting = getattr(scheme, "collecting", None)
+            reuse = role == CONV and collecting is not None
             base = scaled(
                 base,
                 x,
                 config.group_size,
                 exact=role != CONV,
                 dim=channel_dim,
-                scales=cache,
-                refresh=None if refresh is None else refresh(),
+                scales=_channel_scales(layer, role, x) if reuse else None,
+                refresh=collecting() if reuse else True,
             )
     return Swap(base) if spec.swap else base
 
