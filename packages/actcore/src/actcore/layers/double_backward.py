@@ -36,9 +36,11 @@ def link(x: torch.Tensor) -> torch.Tensor | None:
     """
     if not (torch.is_grad_enabled() and x.requires_grad):
         return None
-    # no elements: no memory (a clone of an empty view allocates nothing and keeps nothing
-    # of x's storage), yet on x's graph
-    return (x.narrow(0, 0, 0) if x.dim() else x.reshape(1)[:0]).clone()
+    # no elements: no memory (an empty copy allocates nothing and keeps nothing of x's
+    # storage), yet on x's graph; one op
+    if x.dim():
+        return torch.ops.aten.narrow_copy(x, 0, 0, 0)
+    return x.reshape(1)[:0].clone()
 
 
 class _Unavailable(torch.autograd.Function):

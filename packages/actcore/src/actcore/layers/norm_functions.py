@@ -78,12 +78,27 @@ def _norm_input(
     return normalize(x), comp, True
 
 
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def _constant(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``like``'s shape, dtype and device filled with ``value``, made once and
+    shared (only ever read: the statistics handed to batch norm's kernels as ones and
+    zeros), instead of a new one per layer and step."""
+    key = (value, tuple(like.shape), like.dtype, like.device)
+    found = _CONSTANTS.get(key)
+    if found is None:
+        with torch.inference_mode(False):  # usable under grad mode, wherever first made
+            found = _CONSTANTS[key] = torch.full_like(like, value, requires_grad=False)
+    return found
+
+
 def _normalized(x: torch.Tensor, centre: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``(x - centre) * scale`` per channel, in ``x``'s dtype, by batch norm's own eval-mode
     kernel: one tensor of ``x``'s size, where the broadcast arithmetic would make float32
     temporaries of a half-precision ``x`` (and keep the float32 result: twice the bytes to
     pack, and a backward that would rebuild ``x`` through two more)."""
-    ones = torch.ones_like(scale)
+    ones = _constant(1.0, scale)
     return aten.native_batch_norm(x, scale, None, centre, ones, False, 0.0, 0.0)[0]
 
 
@@ -135,10 +150,10 @@ class BatchNormFunction(torch.autograd.Function):
                 # hand it x_hat itself with mean 0 and invstd 1, and the weight times invstd
                 # (gx = weight * invstd * (...)): the gradients of x rebuilt from x_hat, without
                 # rebuilding it (gw and gb do not depend on the weight handed over).
-                ones = torch.ones_like(scale)
                 w = scale if weight is None else weight * scale
+                zeros, ones = _constant(0.0, centre), _constant(1.0, scale)
                 gx, gw, gb = aten.native_batch_norm_backward(
-                    grad, x, w, None, None, torch.zeros_like(centre), ones, True, ctx.eps, mask
+                    grad, x, w, None, None, zeros, ones, True, ctx.eps, mask
                 )
                 return gx, gw, gb, None, None, None, None, None, None
             x = (x / _stat_view(scale, x, 1) + _stat_view(centre, x, 1)).to(ctx.input_meta.dtype)
