@@ -84,6 +84,12 @@ def _exponents(amax: torch.Tensor, ratio: float) -> torch.Tensor:
     return scale.clamp_(1.0, _MAX_SCALE).log2_().ceil_().to(torch.int8)
 
 
+def _scale(exponents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``2**exponents`` in ``dtype`` (exact: powers of two within the dtype's range)."""
+    scale = torch.exp2(exponents)  # (int8 in, the default float dtype out)
+    return scale if scale.dtype == dtype else scale.to(dtype)
+
+
 def _max_exponent(dtype: torch.dtype) -> int:
     """The largest exponent a scale may have in ``dtype`` (fp16: 15), at most _MAX_SCALE's."""
     return min(int(math.log2(torch.finfo(dtype).max)), int(math.log2(_MAX_SCALE)))
@@ -153,7 +159,7 @@ def channel_dim(x: torch.Tensor, group_size: int) -> int | None:
     if x.dim() in (2, 3):
         return -1 if x.shape[-1] > 1 else None
     if x.dim() in (4, 5):
-        spatial = x[0, 0].numel()
+        spatial = math.prod(x.shape[2:])
         return 1 if spatial % group_size and x.shape[1] > 1 else None
     return None
 
@@ -208,7 +214,7 @@ class ChannelScaled(Wrapping):
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         dim = self.dim % x.dim()
         if self.exponents is not None and not self.exact:
-            scale = torch.exp2(self.exponents.float()).to(x.dtype)
+            scale = _scale(self.exponents, x.dtype)
             tensors, meta = self.inner.pack(x / scale)
             return (*tensors, self.exponents), (meta, len(tensors), dim)
         amax = _channel_amax(x, dim)
@@ -220,7 +226,7 @@ class ChannelScaled(Wrapping):
             amax = amax.index_fill(dim, top, 0)
         # at most the dtype's largest power of two (fp16: 2**15), so the scale is finite
         exponents = _exponents(amax, self.ratio).clamp_max_(_max_exponent(x.dtype))
-        scale = torch.exp2(exponents.float()).to(x.dtype)
+        scale = _scale(exponents, x.dtype)
         tensors, meta = self.inner.pack(x.div_(scale) if self.exact else x / scale)
         return (*tensors, exponents, *extra), (meta, len(tensors), dim)
 
@@ -228,7 +234,7 @@ class ChannelScaled(Wrapping):
         inner_meta, count, dim = meta
         inner = tuple(tensors[:count])
         x = self.inner.unpack(inner, inner_meta)
-        scale = torch.exp2(tensors[count].float()).to(x.dtype)
+        scale = _scale(tensors[count], x.dtype)
         # in place on a fresh unpacking (no second tensor of x's size); never on a stored one
         fresh = _dense(x) and not _shares_storage(x, inner)
         x = x.mul_(scale) if fresh else x * scale

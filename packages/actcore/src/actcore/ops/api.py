@@ -74,6 +74,12 @@ def _check_input(x: object, what: str) -> None:
     check_float_dtype(x.dtype, what)
 
 
+def _unlinked(t: torch.Tensor) -> torch.Tensor:
+    """``t`` off the autograd graph (the ops have no derivative); as it is when it is off
+    already, as inside an autograd function's forward, without a call."""
+    return t.detach() if t.requires_grad else t
+
+
 def _check_options(
     bits: object, group_size: object, stochastic: bool, seed: int | None
 ) -> tuple[int, int, int]:
@@ -105,7 +111,7 @@ def quantize(
     _check_input(x, "quantize")
     bits, group_size, seed = _check_options(bits, group_size, stochastic, seed)
     payload, lo, step = library.quantize(
-        x.detach(), bits, group_size, bool(stochastic), seed, bool(per_sample)
+        _unlinked(x), bits, group_size, bool(stochastic), seed, bool(per_sample)
     )
     return Packed(payload, lo, step, x.shape, x.dtype, bits, group_size, bool(per_sample))
 
@@ -150,7 +156,7 @@ def _masked_args(
     _check_input(x, what)
     _check_mask(mask, x.numel(), what)
     bits, group_size, seed = _check_options(bits, group_size, stochastic, seed)
-    return x.detach(), mask.detach(), bits, group_size, bool(stochastic), seed
+    return _unlinked(x), _unlinked(mask), bits, group_size, bool(stochastic), seed
 
 
 def masked_quantize(
