@@ -3,7 +3,8 @@
     python benchmarks/speed.py --json benchmarks/results/cpu-speed-<date>.json
     python benchmarks/speed.py --models mobilenet_v3_small --rounds 3
 
-For each model every variant (plain, L0, the default level) is built once, warmed past the
+For each model every variant (plain, L0, the default level; for ResNet-50 also the
+saved-tensor hooks route at its default level, ``Controller(model, "G2")``) is built once, warmed past the
 adaptive plan's first replan, then stepped in interleaved rounds (one step of each variant
 per round, so machine load falls on all alike). Reported per variant: the median step over
 the steady steps (no statistics taken), the mean over all measured steps (the adaptive
@@ -17,11 +18,12 @@ cost left out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import date
 
 import torch
@@ -33,6 +35,7 @@ from actcore.bench.calls import count_calls
 from actcore.bench.gpt import CharGPT, GPTConfig
 
 VARIANTS = ("plain", "L0", "L3")
+HOOKS = "G2"  # the saved-tensor hooks route at its default level (ResNet-50 only)
 WARM = 21  # past the first replan (interval 20)
 
 
@@ -63,6 +66,15 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, Callable]]] = {
 }
 
 
+@contextlib.contextmanager
+def _hooked(controller: actcore.Controller) -> Iterator[None]:
+    controller.install_hook()
+    try:
+        yield
+    finally:
+        controller.uninstall_hook()
+
+
 def _collecting(model: nn.Module) -> bool:
     scheme = getattr(model, "act_adaptive", None)
     return scheme is not None and scheme.collecting()
@@ -79,16 +91,24 @@ def _count(model: nn.Module, step: Callable[[], None], collecting: bool) -> int:
 
 def measure(name: str, rounds: int) -> list[dict]:
     runs = {}
-    for variant in VARIANTS:
+    for variant in (*VARIANTS, HOOKS) if name == "resnet50" else VARIANTS:
         model, loss_of = MODELS[name]()
-        if variant != "plain":
+        controller = None
+        if variant == HOOKS:
+            controller = actcore.Controller(model, HOOKS)
+        elif variant != "plain":
             actcore.convert(model, level=variant)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
-        def step(model=model, loss_of=loss_of, opt=opt) -> None:
-            opt.zero_grad(set_to_none=True)
-            loss_of(model).backward()
-            opt.step()
+        def step(model=model, loss_of=loss_of, opt=opt, controller=controller) -> None:
+            # the hooks route's hooks are process-wide: on only for its own steps here
+            hooked = contextlib.nullcontext() if controller is None else _hooked(controller)
+            with hooked:
+                opt.zero_grad(set_to_none=True)
+                loss_of(model).backward()
+                opt.step()
+                if controller is not None:  # (its adaptive policy re-estimates now and then)
+                    controller.iterate(lambda: loss_of(model).backward())
 
         for _ in range(WARM):
             step()
