@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import date
@@ -143,6 +145,18 @@ def measure(name: str, rounds: int) -> list[dict]:
     return rows
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (Linux), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -173,10 +187,12 @@ def main() -> None:
         loader.load_cpu(warn=False)
         meta = {
             "date": date.today().isoformat(),
-            "machine": platform.processor() or platform.machine(),
+            "machine": _cpu_name(),
             "threads": args.threads,
+            "python": platform.python_version(),
             "torch": torch.__version__,
-            "cpu_kernels": loader.cpu_status().get("threads"),
+            "cpu_kernel_threads": loader.cpu_status().get("threads"),
+            "command": " ".join(["python", *sys.argv]),
         }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
