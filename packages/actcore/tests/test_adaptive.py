@@ -552,3 +552,21 @@ def test_averaging_all_layers_costs_fewer_ops_than_one_by_one() -> None:
     together = count_calls(lambda: finite_emas(entries, 0.9))[0]
     one_by_one = count_calls(lambda: [finite_emas([e], 0.9) for e in entries])[0]
     assert together < one_by_one / 2, (together, one_by_one)
+
+
+def test_a_layer_with_two_values_in_a_step_takes_them_in_order() -> None:
+    """A layer called twice in a step hands over two sensitivities: the second enters the
+    average after the first, as when each entered at once."""
+    scheme = AdaptiveBits(momentum=0.9)
+    st, other = LayerStats(sens=torch.tensor(1.0)), LayerStats()
+    scheme._sens_pending = [
+        (st, torch.tensor(3.0)),
+        (other, torch.tensor(5.0)),
+        (st, torch.tensor(7.0)),
+    ]
+    scheme._flush()
+    first, _, _ = _one_average(torch.tensor(1.0), 1, torch.tensor(3.0), 0.9)
+    want, _, _ = _one_average(first, 2, torch.tensor(7.0), 0.9)
+    assert torch.equal(st.sens, want) and int(st.sens_seen) == 3
+    assert torch.equal(other.sens, torch.tensor(5.0)) and int(other.sens_seen) == 1
+    assert scheme._tried[torch.device("cpu")] == 3

@@ -271,32 +271,32 @@ class AdaptiveBits:
 
     def _apply(self, entries: list[tuple[LayerStats, torch.Tensor, float]]) -> None:
         """Average a forward's profiles and elements per sample into their layers (together:
-        a few ops for all of them)."""
-        if not entries:
-            return
-        found, taken = finite_emas(
-            [(st.profile, st.profile_seen, profile) for st, profile, _ in entries], self.momentum
-        )
-        for (st, _, _), (profile, seen) in zip(entries, found, strict=True):
-            st.profile, st.profile_seen = profile, seen
-        elems = host_emas(
-            [st.elems for st, _, _ in entries], [e for _, _, e in entries], self.momentum
-        )
-        for (st, _, _), average in zip(entries, elems, strict=True):
-            st.elems = average
-        self._count_taken(taken)
+        a few ops for all of them; a layer's second value of the step after its first)."""
+        for batch in _rounds(entries):
+            found, taken = finite_emas(
+                [(st.profile, st.profile_seen, profile) for st, profile, _ in batch],
+                self.momentum,
+            )
+            for (st, _, _), (profile, seen) in zip(batch, found, strict=True):
+                st.profile, st.profile_seen = profile, seen
+            elems = host_emas(
+                [st.elems for st, _, _ in batch], [e for _, _, e in batch], self.momentum
+            )
+            for (st, _, _), average in zip(batch, elems, strict=True):
+                st.elems = average
+            self._count_taken(taken)
 
     def _flush(self) -> None:
-        """Average the sensitivities taken since the last flush into their layers."""
+        """Average the sensitivities taken since the last flush into their layers (a layer
+        that took two, called twice in a step, the second after the first)."""
         pending, self._sens_pending = self._sens_pending, []
-        if not pending:
-            return
-        found, taken = finite_emas(
-            [(st.sens, st.sens_seen, sens) for st, sens in pending], self.momentum
-        )
-        for (st, _), (sens, seen) in zip(pending, found, strict=True):
-            st.sens, st.sens_seen = sens, seen
-        self._count_taken(taken)
+        for batch in _rounds(pending):
+            found, taken = finite_emas(
+                [(st.sens, st.sens_seen, sens) for st, sens, *_ in batch], self.momentum
+            )
+            for (st, *_), (sens, seen) in zip(batch, found, strict=True):
+                st.sens, st.sens_seen = sens, seen
+            self._count_taken(taken)
 
     def observe(
         self,
@@ -462,6 +462,21 @@ class AdaptiveBits:
         self._taken, self._tried = {}, {}
         self._sens_pending = []
         self._task = None
+
+
+def _rounds(entries: list) -> list[list]:
+    """``entries`` (each led by a layer's :class:`LayerStats`) split into rounds in which each
+    layer appears once, in order: one update per round keeps a layer's values of a step
+    entering one after the other, as they came."""
+    rounds: list[list] = []
+    count: dict[int, int] = {}
+    for entry in entries:
+        k = count.get(id(entry[0]), 0)
+        count[id(entry[0])] = k + 1
+        if k == len(rounds):
+            rounds.append([])
+        rounds[k].append(entry)
+    return rounds
 
 
 def _graph_task() -> int | None:
