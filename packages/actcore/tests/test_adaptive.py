@@ -520,9 +520,13 @@ def test_all_layers_averages_equal_each_layers_own() -> None:
     news = [torch.rand(s, generator=g) for s in shapes]
     news[3] = torch.tensor([1.0, float("nan"), 2.0, 3.0])
     news[5] = torch.tensor(float("inf"))
+    snapshot = [None if t is None else t.clone() for t in olds]
+    counts = [None if t is None else t.clone() for t in seens]
     found, taken = finite_emas(list(zip(olds, seens, news, strict=True)), 0.9)
     entered = []
-    for i, ((avg, seen), old, before, new) in enumerate(zip(found, olds, seens, news, strict=True)):
+    for i, ((avg, seen), old, before, new) in enumerate(
+        zip(found, snapshot, counts, news, strict=True)
+    ):
         count = 1 if before is None and old is not None else int(before or 0)
         want, want_seen, took = _one_average(old, count, new, 0.9)
         assert torch.equal(avg, want), i
@@ -530,10 +534,9 @@ def test_all_layers_averages_equal_each_layers_own() -> None:
         entered.append(took)
     assert sum(int(t.sum()) for t in taken) == sum(entered) == 4
     assert sum(t.numel() for t in taken) == len(news) and len(taken) == 3  # one per shape
-    # a later update stacks anew: the averages handed out before stay as they were
-    kept = found[2][0].clone()
-    finite_emas([(found[2][0], found[2][1], torch.tensor(5.0))], 0.9)
-    assert torch.equal(found[2][0], kept)
+    # the running statistics keep their storage: updated in place, new tensors for first values
+    assert found[2][0] is olds[2] and found[2][1] is seens[2] and found[3][0] is olds[3]
+    assert found[0][0] is not None and found[4][1] is not None
     averaged = host_emas([None, torch.tensor(10.0)], [3.0, 20.0], 0.5)
     assert torch.equal(averaged[0], torch.tensor(3.0)) and torch.equal(
         averaged[1], torch.tensor(15.0)

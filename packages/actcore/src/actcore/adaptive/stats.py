@@ -70,25 +70,29 @@ def finite_emas(
     finite values taken (None: set by hand, holding one). Device ops only, one stack and one
     update per shape and device.
 
-    Returns each entry's ``(average, seen)`` (views of the group's stacked result: a later
-    update stacks anew and never writes them) and each group's ``taken`` (1-D bool: whether
-    each entry's value entered)."""
+    Returns each entry's ``(average, seen)``: ``old`` and ``seen`` themselves, updated in
+    place (the running statistics keep their storage: no allocation outlives the step),
+    new tensors for a first value; and each group's ``taken`` (1-D bool: whether each
+    entry's value entered)."""
     out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(entries)  # type: ignore[list-item]
     taken_by_group = []
     for (shape, device), index in _by_shape([new for _, _, new in entries]).items():
         news = torch.stack([entries[i][2] for i in index]).detach().float()
-        olds, seens = [], []
+        olds: list[torch.Tensor | None] = []
+        seens: list[torch.Tensor | None] = []
         for i in index:
             old, seen, new = entries[i]
-            if _fresh(old, new):
-                old, seen = None, torch.zeros((), dtype=torch.int64, device=device)
-            elif seen is None:  # set by hand (tests, old states): holds a finite value already
-                seen = torch.ones((), dtype=torch.int64, device=device)
-            olds.append(old)
-            seens.append(seen)
+            fresh = _fresh(old, new)
+            olds.append(None if fresh else old)
+            seens.append(None if fresh or seen is None else seen)
         zero = news.new_zeros(shape) if any(old is None for old in olds) else None
         average = torch.stack([zero if old is None else old for old in olds])
-        seen_all = torch.stack(seens)
+        # a first value: nothing seen; set by hand (tests, old states): holds a finite one
+        counts = [
+            seen if seen is not None else torch.tensor(0 if old is None else 1, device=device)
+            for old, seen in zip(olds, seens, strict=True)
+        ]
+        seen_all = torch.stack(counts)
         safe = news.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
         same = safe.eq(news)
         taken = same.flatten(1).all(1) if same.dim() > 1 else same  # per entry: all finite
@@ -98,8 +102,19 @@ def finite_emas(
         weight = torch.where(taken, (seen_all > 0) * momentum, 1.0)
         average.lerp_(safe, (1.0 - weight).view(-1, *([1] * len(shape))))
         seen_all.add_(taken)
-        for i, avg, seen in zip(index, average.unbind(0), seen_all.unbind(0), strict=True):
-            out[i] = (avg, seen)
+        averages, seen_now = average.unbind(0), seen_all.unbind(0)
+        back = [j for j, old in enumerate(olds) if old is not None]  # written back in place
+        if back:
+            torch._foreach_copy_([olds[j] for j in back], [averages[j] for j in back])  # type: ignore[misc]
+        counted = [j for j, seen in enumerate(seens) if seen is not None]
+        if counted:
+            torch._foreach_copy_([seens[j] for j in counted], [seen_now[j] for j in counted])  # type: ignore[misc]
+        for j, i in enumerate(index):
+            old, seen = olds[j], seens[j]
+            out[i] = (
+                averages[j].clone() if old is None else old,
+                seen_now[j].clone() if seen is None else seen,
+            )
         taken_by_group.append(taken)
     return out, taken_by_group
 
@@ -108,21 +123,22 @@ def host_emas(
     olds: list[torch.Tensor | None], values: list[float], momentum: float
 ) -> list[torch.Tensor]:
     """Each ``old`` (None before the first) averaged with its host value with ``momentum``,
-    as float32 on the CPU, in one update."""
+    as float32 on the CPU, in one update; ``old`` itself updated in place (a new tensor for
+    a first value)."""
     if not olds:
         return []
     news = torch.tensor(values, dtype=torch.float32)
     kept = [i for i, old in enumerate(olds) if not _fresh(old, news[0])]
-    out = [news[i].clone() for i in range(len(olds))] if len(kept) < len(olds) else []
+    out = list(olds)
     if kept:
         average = torch.stack([olds[i] for i in kept])  # type: ignore[misc]
         rows = news if len(kept) == len(olds) else news[kept]
         average.mul_(momentum).add_(rows, alpha=1 - momentum)
-        if not out:
-            return list(average.unbind(0))
-        for i, avg in zip(kept, average.unbind(0), strict=True):
-            out[i] = avg
-    return out
+        torch._foreach_copy_([olds[i] for i in kept], list(average.unbind(0)))  # type: ignore[misc]
+    for i in range(len(olds)):
+        if i not in kept:
+            out[i] = news[i].clone()
+    return out  # type: ignore[return-value]
 
 
 def has_finite(value: torch.Tensor | None, seen: torch.Tensor | None) -> bool:
