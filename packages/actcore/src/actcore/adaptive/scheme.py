@@ -292,9 +292,9 @@ class AdaptiveBits:
         pending, self._sens_pending = self._sens_pending, []
         for batch in _rounds(pending):
             found, taken = finite_emas(
-                [(st.sens, st.sens_seen, sens) for st, sens, *_ in batch], self.momentum
+                [(st.sens, st.sens_seen, sens) for st, sens in batch], self.momentum
             )
-            for (st, *_), (sens, seen) in zip(batch, found, strict=True):
+            for (st, _), (sens, seen) in zip(batch, found, strict=True):
                 st.sens, st.sens_seen = sens, seen
             self._count_taken(taken)
 

@@ -128,17 +128,17 @@ def host_emas(
     if not olds:
         return []
     news = torch.tensor(values, dtype=torch.float32)
-    kept = [i for i, old in enumerate(olds) if not _fresh(old, news[0])]
-    out = list(olds)
+    fresh = [_fresh(old, news[0]) for old in olds]
+    kept = [i for i, first in enumerate(fresh) if not first]
     if kept:
         average = torch.stack([olds[i] for i in kept])  # type: ignore[misc]
         rows = news if len(kept) == len(olds) else news[kept]
         average.mul_(momentum).add_(rows, alpha=1 - momentum)
         torch._foreach_copy_([olds[i] for i in kept], list(average.unbind(0)))  # type: ignore[misc]
-    for i in range(len(olds)):
-        if i not in kept:
-            out[i] = news[i].clone()
-    return out  # type: ignore[return-value]
+    return [
+        news[i].clone() if first else old  # type: ignore[misc]
+        for i, (old, first) in enumerate(zip(olds, fresh, strict=True))
+    ]
 
 
 def has_finite(value: torch.Tensor | None, seen: torch.Tensor | None) -> bool:

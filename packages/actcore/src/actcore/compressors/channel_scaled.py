@@ -95,11 +95,16 @@ def _max_exponent(dtype: torch.dtype) -> int:
     return min(int(math.log2(torch.finfo(dtype).max)), int(math.log2(_MAX_SCALE)))
 
 
+def _capped_exponents(amax: torch.Tensor, ratio: float, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_exponents`, at most the dtype's largest power of two (fp16: 2**15), so the
+    scale is finite."""
+    return _exponents(amax, ratio).clamp_max_(_max_exponent(dtype))
+
+
 def channel_exponents(x: torch.Tensor, dim: int, ratio: float = OUTLIER_RATIO) -> torch.Tensor:
     """int8 ``e`` per channel of ``x`` along ``dim`` (shaped to broadcast against ``x``): the
     outlier channels' power-of-two scale exponents, 0 for the others."""
-    # at most the dtype's largest power of two (fp16: 2**15), so the scale is finite
-    return _exponents(_channel_amax(x, dim), ratio).clamp_max_(_max_exponent(x.dtype))
+    return _capped_exponents(_channel_amax(x, dim), ratio, x.dtype)
 
 
 class ChannelScales:
@@ -213,19 +218,17 @@ class ChannelScaled(Wrapping):
 
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         dim = self.dim % x.dim()
-        if self.exponents is not None and not self.exact:
-            scale = _scale(self.exponents, x.dtype)
-            tensors, meta = self.inner.pack(x / scale)
-            return (*tensors, self.exponents), (meta, len(tensors), dim)
-        amax = _channel_amax(x, dim)
         extra: tuple[torch.Tensor, ...] = ()
-        if self.exact:
-            top = amax.flatten().topk(self.exact).indices if self.top is None else self.top
-            extra = (x.index_select(dim, top), top)
-            x = x.index_fill(dim, top, 0)
-            amax = amax.index_fill(dim, top, 0)
-        # at most the dtype's largest power of two (fp16: 2**15), so the scale is finite
-        exponents = _exponents(amax, self.ratio).clamp_max_(_max_exponent(x.dtype))
+        if self.exponents is not None and not self.exact:
+            exponents = self.exponents  # (the layer's, see ChannelScales)
+        else:
+            amax = _channel_amax(x, dim)
+            if self.exact:
+                top = amax.flatten().topk(self.exact).indices if self.top is None else self.top
+                extra = (x.index_select(dim, top), top)
+                x = x.index_fill(dim, top, 0)
+                amax = amax.index_fill(dim, top, 0)
+            exponents = _capped_exponents(amax, self.ratio, x.dtype)
         scale = _scale(exponents, x.dtype)
         tensors, meta = self.inner.pack(x.div_(scale) if self.exact else x / scale)
         return (*tensors, exponents, *extra), (meta, len(tensors), dim)
