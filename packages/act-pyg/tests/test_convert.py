@@ -221,6 +221,28 @@ def test_random_projection_weight_gradient_is_unbiased():
     assert mean_err < 3 * typical / math.sqrt(trials)  # ...and the noise averages out: no bias
 
 
+@pytest.mark.parametrize("kind", [*KINDS, "gin"])
+def test_adaptive_bits_plan_every_conv_linear(kind, small):
+    """At L3 each conv's linear transform is planned by the adaptive scheme: its backward
+    hands the scheme its gradient, so steps are counted, statistics taken and a plan made
+    for every linear (the convs' own linear kept its input at fixed bits, unplanned, and
+    the scheme, never seeing a backward, took statistics on every step)."""
+    torch.manual_seed(1)
+    model = act_pyg.convert(bench.GNN(kind, 16, 32, 5, heads=4, dropout=0.3), "L3")
+    scheme = model.act_adaptive
+    scheme.interval, scheme.window = 2, 1
+    y = torch.randint(0, 5, (small.num_nodes,))
+    for _ in range(4):
+        F.cross_entropy(model(small.x, small.edge_index), y).backward()
+    assert scheme.steps == 4 and not scheme.collecting()  # replanned at 2 and 4: steady
+    linears = [n for n, m in model.named_modules() if getattr(m, "act_scheme", None) is scheme]
+    assert len(linears) >= 2
+    for name in linears:
+        stats = scheme.layers[name]
+        assert stats.sens is not None and stats.plan, name  # observed, then planned
+        assert stats.last_step == 3, name  # and packed its input on the last step
+
+
 # ---- other message-passing layers, fallbacks, report, errors ------------------------------------------------
 
 

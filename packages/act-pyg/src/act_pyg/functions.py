@@ -39,6 +39,7 @@ from actcore.extend import (
     dropout_with_mask,
     guard_input,
     layer_spec,
+    observe,
     stash,
     unstash,
 )
@@ -123,6 +124,8 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = unstash(ctx)
+        if ctx.projection is None:  # the adaptive scheme's statistics (of the input it kept)
+            observe(ctx, grad, channel_dim=-1, restored=x)
         lossy = x is not None and (ctx.projection is not None or ctx.act_plan[0][1].lossy)
         x = guard_input(ctx, x, weight, grad, lossy)  # a 2nd derivative: a clear error
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -140,9 +143,14 @@ class LinearFunction(torch.autograd.Function):
 
 
 def linear(layer: Any, lin: Any, x: Tensor) -> Tensor:
-    """``lin(x)`` (a PyG or torch Linear) with its input kept compressed per ``layer``."""
-    weight, bias = lin.weight, lin.bias
-    return LinearFunction.apply(x, weight, bias, layer, getattr(layer, "act_projection", None))
+    """``lin(x)`` (a PyG or torch Linear) with its input kept compressed per ``layer``.
+
+    Without a random projection, ``lin`` keeps the input when it is a Q-layer under an
+    adaptive scheme (at L3): the scheme plans bits per linear layer, by the name it knows.
+    """
+    fraction = getattr(layer, "act_projection", None)
+    owner = lin if fraction is None and getattr(lin, "act_scheme", None) is not None else layer
+    return LinearFunction.apply(x, lin.weight, lin.bias, owner, fraction)
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ extension does three things, each with the names here:
 * **its autograd function** keeps compressed tensors for backward: :func:`choose` picks the
   compressor for a tensor of a role (:data:`CONV` for a linear map's input) at the layer's
   level (:func:`layer_spec`), :func:`stash` packs them on ``ctx`` and :func:`unstash`
-  restores them in backward; :func:`needs_saving` says whether a forward saves at all;
+  restores them in backward, where :func:`observe` hands the output gradient to the
+  layer's adaptive scheme; :func:`needs_saving` says whether a forward saves at all;
   :func:`guard_input` and :func:`own_output` keep autograd's version checks, and
   :func:`call_outside_modes` runs a plain call inside a routed forward;
 * **a level**: an entry point takes a level name or a :class:`LevelSpec` and resolves it
@@ -47,7 +48,7 @@ from .layers.functions import (
 from .layers.modules import LOWER_PRECISION, autocast_inputs
 from .layers.recompute import register_recomputed
 from .layers.roles import CONV
-from .layers.stash import Scheme, choose, layer_spec, needs_saving, stash, unstash
+from .layers.stash import Scheme, choose, layer_spec, needs_saving, observe, stash, unstash
 from .ops.api import check_bits
 from .saved_tensors.op_mode import call_outside_modes
 from .walker import Exclude
@@ -83,6 +84,7 @@ __all__ = [
     "layer_spec",
     "level_spec",
     "needs_saving",
+    "observe",
     "own_output",
     "register_activation",
     "register_q_layer",
