@@ -573,3 +573,22 @@ def test_a_layer_with_two_values_in_a_step_takes_them_in_order() -> None:
     assert torch.equal(st.sens, want) and int(st.sens_seen) == 3
     assert torch.equal(other.sens, torch.tensor(5.0)) and int(other.sens_seen) == 1
     assert scheme._tried[torch.device("cpu")] == 3
+
+
+def test_rank_counts_give_each_rank_its_plan_bits():
+    """A batch of ``n`` under a plan of ``len(plan)`` ranks: rank ``r`` takes
+    ``plan[r * len(plan) // n]``; the counts per bits (most first) match that definition,
+    rank by rank, for plans shorter and longer than the batch (a graph's batch: 10k nodes)."""
+    from collections import Counter
+
+    from actcore.adaptive.plan import rank_counts
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        size = int(torch.randint(0, 40, (), generator=gen))
+        n = int(torch.randint(1, 60, (), generator=gen))
+        plan = sorted(torch.randint(1, 9, (size,), generator=gen).tolist(), reverse=True)
+        by_rank = Counter(plan[r * size // n] for r in range(n)) if plan else Counter({3: n})
+        assert rank_counts(plan, n, 3) == tuple(sorted(by_rank.items(), reverse=True))
+    plan = [8] * 3 + [4] * 5000 + [2] * 4997
+    assert rank_counts(plan, 10_000, 3) == ((8, 3), (4, 5000), (2, 4997))

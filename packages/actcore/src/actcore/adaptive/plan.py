@@ -12,8 +12,9 @@ what a plan predicts and costs.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections import Counter
+import operator
 from typing import Any
 
 from .bit_allocation import allocate, variance
@@ -40,12 +41,26 @@ def plan_prior_bits(layer: Any, bits: int, budget: float, max_bits: int) -> int:
 
 
 def rank_counts(plan: list[int], n: int, bits: int) -> tuple[tuple[int, int], ...]:
-    """``(bits, samples)`` for a batch of ``n`` under a layer's ``plan``, most bits first."""
+    """``(bits, samples)`` for a batch of ``n`` under a layer's ``plan``, most bits first.
+
+    Rank ``r`` of the batch takes ``plan[r * len(plan) // n]``; the plan gives bits by rank,
+    non-increasing, so each run ``[s, e)`` of equal bits is taken by the ranks from
+    ``ceil(s n / len)`` to ``ceil(e n / len)``: one bisection per run, not a pass per rank
+    (a graph's batch is its nodes, thousands of them).
+    """
     if not plan:
         return ((bits, n),)
     size = len(plan)
-    by_rank = [plan[r * size // n] for r in range(n)]
-    return tuple(sorted(Counter(by_rank).items(), reverse=True))
+    counts = []
+    start = 0
+    while start < size:
+        value = plan[start]
+        end = bisect.bisect_right(plan, -value, lo=start, key=operator.neg)  # first smaller
+        taken = -(-end * n // size) - -(-start * n // size)
+        if taken:
+            counts.append((value, taken))
+        start = end
+    return tuple(counts)
 
 
 def allocation_items(
