@@ -592,3 +592,20 @@ def test_rank_counts_give_each_rank_its_plan_bits():
         assert rank_counts(plan, n, 3) == tuple(sorted(by_rank.items(), reverse=True))
     plan = [8] * 3 + [4] * 5000 + [2] * 4997
     assert rank_counts(plan, 10_000, 3) == ((8, 3), (4, 5000), (2, 4997))
+
+
+@pytest.mark.parametrize("features", [32, 256, 300, 640])
+def test_sample_range_weights_are_each_groups_true_range(features):
+    """Per sample: ``sum over its groups of size * range^2``, the last (shorter) group's range
+    its own elements' (not widened by an element of another group)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, features)
+    x[:, 0] = 50.0  # the first element far outside every other group's range
+    size = 64
+    expected = torch.zeros(6)
+    for start in range(0, features, size):
+        part = x[:, start : start + size]
+        expected += size * (part.amax(1) - part.amin(1)) ** 2
+    torch.testing.assert_close(sample_range_weights(x, size), expected, rtol=1e-6, atol=0)
+    flat = sample_range_weights(x.view(6, 1, features), size)  # any trailing shape: flattened
+    assert torch.equal(flat, sample_range_weights(x, size))

@@ -27,11 +27,15 @@ def sample_range_weights(x: torch.Tensor, group_size: int) -> torch.Tensor:
     n, m = flat.shape
     if m == 0:
         return flat.new_zeros(n, dtype=torch.float32)
-    pad = -m % group_size
-    if pad:  # repeat each sample's first element: the last group's range is unchanged
-        flat = torch.cat([flat, flat[:, :1].expand(n, pad)], 1)
-    groups = flat.view(n, -1, group_size)
-    span = (groups.amax(-1) - groups.amin(-1)).float()
+    full = m - m % group_size
+    spans = []
+    if full:  # the whole groups, as a view (no copy, whatever the row's length)
+        groups = flat.unfold(1, group_size, group_size)
+        spans.append(groups.amax(-1) - groups.amin(-1))
+    if full < m:  # the last group, shorter (a graph's node: one group of its features)
+        tail = flat[:, full:]
+        spans.append((tail.amax(-1) - tail.amin(-1)).unsqueeze(1))
+    span = (spans[0] if len(spans) == 1 else torch.cat(spans, 1)).float()
     return (span.square() * group_size).sum(-1)
 
 
