@@ -226,11 +226,12 @@ class ChannelScaled(Wrapping):
             if self.exact:
                 top = amax.flatten().topk(self.exact).indices if self.top is None else self.top
                 extra = (x.index_select(dim, top), top)
-                x = x.index_fill(dim, top, 0)
                 amax = amax.index_fill(dim, top, 0)
             exponents = _capped_exponents(amax, self.ratio, x.dtype)
-        scale = _scale(exponents, x.dtype)
-        tensors, meta = self.inner.pack(x.div_(scale) if self.exact else x / scale)
+        scaled = x / _scale(exponents, x.dtype)
+        if self.exact:  # the exact channels, kept apart, are zeros here (whatever they held)
+            scaled.index_fill_(dim, extra[1], 0)
+        tensors, meta = self.inner.pack(scaled)
         return (*tensors, exponents, *extra), (meta, len(tensors), dim)
 
     def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
