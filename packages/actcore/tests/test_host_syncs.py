@@ -44,6 +44,7 @@ def _gpt() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
 MODELS = {
     "resnet18": _vision("resnet18"),
     "mobilenet_v3_small": _vision("mobilenet_v3_small"),
+    "efficientnet_b0": _vision("efficientnet_b0"),
     "char_gpt": _gpt,
 }
 
@@ -142,3 +143,18 @@ def test_cuda_steady_step_does_not_synchronise() -> None:
     assert not [site for site in converted if site.startswith(package)], converted
     torch.cuda.synchronize()
     assert zero_value.settle() == 0  # every count has arrived: nothing left at full size
+
+
+def test_count_calls_names_the_reads_back() -> None:
+    """``count_calls`` counts a read-back where one happens: ``repeat_interleave`` sizing its
+    output from a tensor of repeats reads a value back; with ``output_size`` or int repeats
+    (as grouped-query attention calls it) it does not."""
+    x, repeats = torch.randn(3, 4), torch.tensor([1, 2, 3])
+    assert (
+        count_calls(lambda: x.repeat_interleave(repeats, 0))[1].get("aten::_local_scalar_dense", 0)
+        >= 1
+    )
+    assert count_calls(lambda: x.repeat_interleave(repeats, 0, output_size=6))[1] == {}
+    assert count_calls(lambda: x.repeat_interleave(2, 0))[1] == {}
+    assert count_calls(lambda: x.nonzero())[1] == {"aten::nonzero": 1}
+    assert count_calls(lambda: x.sum().item())[1] == {"aten::_local_scalar_dense": 1}

@@ -16,13 +16,15 @@ SYNCING = frozenset(
         "aten::_local_scalar_dense",  # .item(), bool(), int() of a tensor
         "aten::nonzero",
         "aten::masked_select",
-        "aten::repeat_interleave",  # sizes its output from the data unless told
         "aten::unique",
         "aten::_unique2",
         "aten::masked_scatter",
     }
 )
-"""ATen ops that synchronise a CUDA device with the host."""
+"""ATen ops that synchronise a CUDA device with the host. ``repeat_interleave`` is not named:
+with a tensor of repeats and no ``output_size`` it reads its size back through
+``_local_scalar_dense`` (counted), and with an int (grouped-query attention's keys) or an
+``output_size`` it reads nothing."""
 
 
 def count_calls(step: Callable[[], object]) -> tuple[int, dict[str, int]]:
