@@ -8,11 +8,16 @@ saved-tensor hooks route at its default level, ``Controller(model, "G2")``) is b
 adaptive plan's first replan, then stepped in interleaved rounds (one step of each variant
 per round, so machine load falls on all alike). Reported per variant: the median step over
 the steady steps (no statistics taken), the mean over all measured steps (the adaptive
-window's statistics steps included, 4 in every 20), and the ATen calls of one steady step
-and of one statistics step (torch.profiler count). Batch and sizes are the issue's: ResNet-50
-batch 4 at 224x224, mobilenet_v3_small and efficientnet_b0 batch 4 at 64x64, the character
-GPT of ``actcore bench train`` (4 layers, width 128, batch 12 x 64 tokens), SGD with AdamW's
-cost left out.
+window's statistics steps included, 4 in every 20), the first step (the hooks route's
+includes its first sensitivity estimate), and the ATen calls of one steady step
+and of one statistics step (torch.profiler count). Models and sizes are the issue's, each
+converted through its own entry point: ResNet-50 batch 4 at 224x224, mobilenet_v3_small and
+efficientnet_b0 batch 4 at 64x64, the character GPT of ``actcore bench train`` (4 layers,
+width 128, batch 12 x 64 tokens; ``actcore.convert``); the Llama of
+``benchmarks/llama_memory.py`` (4 layers, hidden 512, sdpa, loss from ``labels``) at batch 1,
+sequence 2048 (``act_hf.convert``, needs transformers); PyG's example GCN on a 10,000-node
+graph and example GIN on 256 graphs of 20 nodes (``act_pyg.convert``, needs
+torch_geometric). SGD, so an optimizer's own cost is left out.
 """
 
 from __future__ import annotations
@@ -60,12 +65,83 @@ def _gpt() -> tuple[nn.Module, Callable]:
     return model, lambda m: m(ids[:, :-1], ids[:, 1:])
 
 
+def _llama() -> tuple[nn.Module, Callable]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 1000, (1, 2048))
+    return model, lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+def _gcn() -> tuple[nn.Module, Callable]:
+    """PyG's example GCN (functional dropout and relu) on a 10,000-node graph, full batch."""
+    from act_pyg.bench_data import planted_partition
+    from act_pyg.bench_models import ExampleGCN
+
+    data = planted_partition(num_nodes=10_000, num_classes=8, num_features=128, seed=0)
+    torch.manual_seed(0)
+    model = ExampleGCN(128, 64, 8)
+    return model, lambda m: F.cross_entropy(m(data.x, data.edge_index), data.y)
+
+
+def _gin() -> tuple[nn.Module, Callable]:
+    """PyG's example GIN (convs holding ``MLP``, ``F.relu``) on a batch of 256 graphs of 20
+    nodes, classified by their summed node outputs."""
+    from torch_geometric.nn import global_add_pool
+
+    from act_pyg.bench_models import ExampleGIN
+
+    gen = torch.Generator().manual_seed(0)
+    graphs, nodes, degree = 256, 20, 4
+    src = torch.randint(0, nodes, (graphs, nodes * degree), generator=gen)
+    dst = torch.randint(0, nodes, (graphs, nodes * degree), generator=gen)
+    offset = (torch.arange(graphs) * nodes)[:, None]
+    edge_index = torch.stack([(src + offset).flatten(), (dst + offset).flatten()])
+    x = torch.randn(graphs * nodes, 32, generator=gen)
+    batch = torch.arange(graphs).repeat_interleave(nodes)
+    y = torch.randint(0, 2, (graphs,), generator=gen)
+    torch.manual_seed(0)
+    model = ExampleGIN(32, 64, 2)
+    return model, lambda m: F.cross_entropy(
+        global_add_pool(m(x, edge_index), batch, size=graphs), y
+    )
+
+
 MODELS: dict[str, Callable[[], tuple[nn.Module, Callable]]] = {
     "resnet50": _vision("resnet50", 4, 224),
     "mobilenet_v3_small": _vision("mobilenet_v3_small", 4, 64),
     "efficientnet_b0": _vision("efficientnet_b0", 4, 64),
     "char_gpt": _gpt,
+    "llama": _llama,
+    "gcn": _gcn,
+    "gin": _gin,
 }
+
+
+def _convert(name: str, model: nn.Module, level: str) -> None:
+    """The model's own entry point: act_hf for the Hugging Face decoder, act_pyg for the
+    graph networks, else actcore."""
+    if name == "llama":
+        import act_hf
+
+        act_hf.convert(model, level)
+    elif name in ("gcn", "gin"):
+        import act_pyg
+
+        act_pyg.convert(model, level)
+    else:
+        actcore.convert(model, level=level)
 
 
 @contextlib.contextmanager
@@ -92,14 +168,14 @@ def _count(model: nn.Module, step: Callable[[], None], collecting: bool) -> int:
 
 
 def measure(name: str, rounds: int) -> list[dict]:
-    runs = {}
+    runs, first = {}, {}
     for variant in (*VARIANTS, HOOKS) if name == "resnet50" else VARIANTS:
         model, loss_of = MODELS[name]()
         controller = None
         if variant == HOOKS:
             controller = actcore.Controller(model, HOOKS)
         elif variant != "plain":
-            actcore.convert(model, level=variant)
+            _convert(name, model, variant)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
         def step(model=model, loss_of=loss_of, opt=opt, controller=controller) -> None:
@@ -112,7 +188,10 @@ def measure(name: str, rounds: int) -> list[dict]:
                 if controller is not None:  # (its adaptive policy re-estimates now and then)
                     controller.iterate(lambda: loss_of(model).backward())
 
-        for _ in range(WARM):
+        t0 = time.perf_counter()
+        step()  # (the hooks route's first step estimates its sensitivities: timed apart)
+        first[variant] = time.perf_counter() - t0
+        for _ in range(WARM - 1):
             step()
         runs[variant] = (model, step, [], [])
     for _ in range(rounds):
@@ -131,6 +210,7 @@ def measure(name: str, rounds: int) -> list[dict]:
             {
                 "model": name,
                 "variant": variant,
+                "first_step_s": first[variant],
                 "steady_step_s": statistics.median(steady),
                 "mean_step_s": statistics.fmean(every),
                 "steps": {"steady": len(steady), "window": len(window)},
@@ -178,7 +258,7 @@ def main() -> None:
             print(
                 f"{name:20s} {row['variant']:6s} steady {row['steady_step_s'] * 1e3:8.1f} ms "
                 f"({row['steady_vs_plain']:.2f}x)  mean {row['mean_step_s'] * 1e3:8.1f} ms "
-                f"({row['mean_vs_plain']:.2f}x)  ATen calls {calls}",
+                f"({row['mean_vs_plain']:.2f}x)  first {row['first_step_s']:.2f} s  ATen calls {calls}",
                 flush=True,
             )
     if args.json:
