@@ -66,20 +66,9 @@ def _gpt() -> tuple[nn.Module, Callable]:
 
 
 def _llama() -> tuple[nn.Module, Callable]:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from llama_memory import build  # (this folder: the Llama of the memory benchmark)
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(cfg).train()
+    model = build("sdpa").train()  # (seeded there)
     ids = torch.randint(0, 1000, (1, 2048))
     return model, lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss
 
