@@ -127,9 +127,10 @@ def test_memory_json_schema_and_ratios(tmp_path, capsys):
     held = [r["retained_bytes"] for r in rows]
     assert held[2] < held[1] < held[0]  # each level keeps less for backward
     assert rows[2]["ratio"] > 4
-    # a steady step's ATen calls against fp's (L0 saves masks compactly: more calls), no
-    # host syncs in any
+    # one step's ATen calls against fp's (L0 saves masks compactly: more calls), no host
+    # syncs in any; L3's few steps come before its first replan: statistics steps, named so
     assert all(r["aten_calls"] > 0 and r["sync_calls"] == 0 for r in rows)
+    assert [r["aten_step"] for r in rows] == ["steady", "steady", "statistics"]
     assert rows[0]["aten_ratio"] == 1.0
     assert rows[2]["aten_calls"] > rows[0]["aten_calls"]
     assert rows[2]["aten_ratio"] == pytest.approx(rows[2]["aten_calls"] / rows[0]["aten_calls"])

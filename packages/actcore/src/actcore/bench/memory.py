@@ -4,7 +4,8 @@ For each level a fresh model (same seed, random weights) runs one tracked forwar
 (:func:`actcore.memory.track` counts what autograd keeps for backward) and backward, then
 ``--steps`` timed training steps (forward + backward), then one step under the profiler
 (its ATen calls, against fp's, and those that synchronise with the host; adaptive levels
-take statistics on every step before their first replan, so these are such a step's).
+take statistics on every step before their first replan, so these are such a step's: the
+table's ``calls on`` column and the row's ``aten_step`` say ``stats`` / ``statistics``).
 ``fp`` is the plain PyTorch model: every ratio is ``fp bytes / level bytes``, and it is
 measured first whether listed or not.
 """
@@ -144,7 +145,10 @@ def measure_level(cfg: MemoryConfig, level: str, device: torch.device) -> dict[s
             times.append(time.perf_counter() - t0)
             if after_step is not None:
                 after_step(backprop)
-        # one more step's ATen calls (GPU kernel launches) and device-to-host syncs
+        # one more step's ATen calls (GPU kernel launches) and device-to-host syncs; under
+        # adaptive bits, a step before the first replan (or in a window) takes statistics
+        scheme = getattr(model, "act_adaptive", None)
+        row["aten_step"] = "statistics" if scheme is not None and scheme.collecting() else "steady"
         row["aten_calls"], syncs = count_calls(backprop)
         row["sync_calls"] = sum(syncs.values())
     step = statistics.median(times) if times else None
@@ -188,6 +192,9 @@ def run(
         advance(1)
 
 
+_STEP_KIND = {"steady": "steady", "statistics": "stats"}  # (what the calls were counted on)
+
+
 def columns(cuda: bool, errors: bool = False) -> list[report.Column]:
     """Table columns; GPU peak only on CUDA, the error column only when a level failed."""
     cols = [
@@ -199,6 +206,7 @@ def columns(cuda: bool, errors: bool = False) -> list[report.Column]:
         report.Column("throughput", "samples/s", report.fmt_float(1)),
         report.Column("aten_calls", "ATen calls/step", report.fmt_float(0)),
         report.Column("aten_ratio", "calls vs fp", report.fmt_float(1, "x")),
+        report.Column("aten_step", "calls on", lambda v: _STEP_KIND.get(v, "-"), "left"),
         report.Column("sync_calls", "syncs/step", report.fmt_float(0)),
     ]
     if cuda:
