@@ -89,7 +89,9 @@ def finite_emas(
         average = torch.stack([zero if old is None else old for old in olds])
         # a first value: nothing seen; set by hand (tests, old states): holds a finite one
         counts = [
-            seen if seen is not None else torch.tensor(0 if old is None else 1, device=device)
+            seen
+            if seen is not None
+            else torch.full((), 0 if old is None else 1, dtype=torch.int64, device=device)
             for old, seen in zip(olds, seens, strict=True)
         ]
         seen_all = torch.stack(counts)
