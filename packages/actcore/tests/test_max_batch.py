@@ -140,7 +140,7 @@ def test_planning_leaves_no_trace():
         ({"limit": 2.5}, "limit must be a positive int"),
         ({"multiple_of": 4, "start": 6}, r"start \(6\) must be a multiple of multiple_of \(4\)"),
         ({"start": 10, "limit": 5}, "at most limit"),
-        ({"order": "speed"}, r"order must be one of \('error', 'bytes'\), got 'speed'"),
+        ({"order": "speed"}, r"order must be one of \('error', 'bytes', 'time'\), got 'speed'"),
     ],
 )
 def test_bad_search_arguments_are_refused(kwargs, message):

@@ -49,6 +49,7 @@ on the model and :mod:`actcore.resume` saves and restores it.
 from __future__ import annotations
 
 from .checkpointing import candidate_blocks, recomputed_blocks, set_recompute
+from .costs import forget_times
 from .errors import forget_errors
 from .peak import step_peak
 from .plan import BOUNDS, ORDERS, MemoryPlan, budget_share, parse_bytes
@@ -64,6 +65,7 @@ __all__ = [
     "default_budget",
     "fit_budget",
     "forget_errors",
+    "forget_times",
     "max_batch",
     "max_seq",
     "parse_bytes",

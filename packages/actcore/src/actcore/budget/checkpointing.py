@@ -6,6 +6,7 @@ mask again."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from torch.utils.checkpoint import checkpoint, get_device_states, set_device_sta
 
 from ..memory import note_saved
 
-__all__ = ["candidate_blocks", "is_recomputed", "recomputed_blocks", "set_recompute"]
+__all__ = ["candidate_blocks", "inside", "is_recomputed", "recomputed_blocks", "set_recompute"]
 
 _FLAG = "act_recompute"
 
@@ -98,3 +99,8 @@ def candidate_blocks(model: nn.Module) -> list[str]:
             continue  # a stage of stages: its inner stages' blocks instead
         blocks += [prefix + key for key, _ in model.get_submodule(name).named_children()]
     return blocks
+
+
+def inside(name: str, blocks: Sequence[str]) -> bool:
+    """Whether module ``name`` is one of ``blocks`` or inside one."""
+    return any(name == b or name.startswith(b + ".") for b in blocks)

@@ -17,7 +17,6 @@ measured afresh every time (they decide what fits; the errors only order the mov
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,13 +24,10 @@ import torch
 from torch import nn
 
 from ..layers.base import QLayer
+from .measured import forget, measured_once
 from .peak import loss_for
 
 __all__ = ["GROUPS", "cached_layer_errors", "forget_errors", "layer_errors"]
-
-_TABLES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple[Any, Any]]] = (
-    weakref.WeakKeyDictionary()
-)
 
 GROUPS = 8
 """Runs of Q-layers probed together per level (the cost: one step each)."""
@@ -89,30 +85,19 @@ def cached_layer_errors(
     weights: Mapping[str, int],
 ) -> tuple[list[dict[str, float]], float]:
     """:func:`layer_errors`, measured once per model, candidate levels, Q-layers and shape
-    of ``example_inputs`` (a callable: its identity, held while the tables are)."""
-    key = (_signature(example_inputs), tuple(names), tuple(layers))
-    tables = _TABLES.setdefault(model, {})
-    if key not in tables:
-        pinned = example_inputs if callable(example_inputs) else None
-        tables[key] = (layer_errors(model, layers, forward, names, weights), pinned)
-    return tables[key][0]
+    of ``example_inputs`` (:mod:`.measured`)."""
+    return measured_once(
+        "errors",
+        model,
+        example_inputs,
+        (tuple(names), tuple(layers)),
+        lambda: layer_errors(model, layers, forward, names, weights),
+    )
 
 
 def forget_errors(model: nn.Module) -> None:
     """Drop the error tables kept for ``model``: the next plan measures them again."""
-    _TABLES.pop(model, None)
-
-
-def _signature(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return ("tensor", tuple(obj.shape), obj.dtype, str(obj.device))
-    if isinstance(obj, Mapping):
-        return ("mapping", tuple((str(k), _signature(v)) for k, v in obj.items()))
-    if isinstance(obj, (tuple, list)):
-        return ("sequence", tuple(_signature(v) for v in obj))
-    if callable(obj):
-        return ("callable", id(obj))
-    return ("value", repr(obj))
+    forget("errors", model)
 
 
 def _gradients(

@@ -47,9 +47,10 @@ def unless_out_of_memory(fn: Callable[[], T]) -> T | None:
     return None
 
 
-ORDERS = ("error", "bytes")
-"""Which Q-layers a memory plan makes coarser first: most bytes per gradient error, or
-most bytes."""
+ORDERS = ("error", "bytes", "time")
+"""How a memory plan chooses: Q-layers coarser first where they save the most bytes per
+gradient error, or the most bytes; or (``"time"``) the levels and recomputed blocks of
+least step time and gradient error together, by a knapsack over measured costs."""
 BOUNDS = ("kept", "peak")
 """What a memory budget bounds: the bytes a forward keeps for backward, or the peak of a
 whole training step above its start."""
@@ -129,6 +130,9 @@ class MemoryPlan:
     # the exact gradient's squared norm (order "error")
     layer_error: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     gradient_error: float | None = None  # the plan's predicted relative squared error
+    predicted_bytes: int | None = None  # what the knapsack predicted it keeps (order "time")
+    step_seconds: float | None = None  # the plan's predicted step time (order "time")
+    exact_seconds: float | None = None  # the measured step with every Q-layer exact
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Set each planned Q-layer of ``model`` to its level, recompute exactly the plan's
@@ -182,6 +186,9 @@ class MemoryPlan:
             "order": self.order,
             "layer_error": {n: dict(e) for n, e in self.layer_error.items()},
             "gradient_error": self.gradient_error,
+            "predicted_bytes": self.predicted_bytes,
+            "step_seconds": self.step_seconds,
+            "exact_seconds": self.exact_seconds,
         }
 
     @classmethod
@@ -200,6 +207,9 @@ class MemoryPlan:
             order=state.get("order", "bytes"),
             layer_error={n: dict(e) for n, e in state.get("layer_error", {}).items()},
             gradient_error=state.get("gradient_error"),
+            predicted_bytes=state.get("predicted_bytes"),
+            step_seconds=state.get("step_seconds"),
+            exact_seconds=state.get("exact_seconds"),
         )
 
     def describe(self) -> str:
@@ -233,6 +243,8 @@ class MemoryPlan:
                 why = "no level keeps less"
             elif level == finest:
                 why = "the budget leaves it exact"
+            elif self.order == "time":
+                why = "coarser: its bytes saved cost less step time and error than others'"
             elif self.order == "error":
                 why = "coarser: more bytes saved per gradient error than those left finer"
             else:
@@ -271,6 +283,8 @@ class MemoryPlan:
             if self.gradient_error is not None
             else ""
         )
+        if self.step_seconds is not None and self.exact_seconds:
+            error += f", a step {self.step_seconds / self.exact_seconds:.2f}x exact's (predicted)"
         return (
             f"MemoryPlan: keeps {format_bytes(self.kept_bytes)}{peak}{error} for a budget of "
             f"{format_bytes(self.budget)} on the {self.bound} bytes (exact {exact}, "

@@ -17,8 +17,10 @@ from ..config import level_spec
 from ..convert import convert
 from ..layers.base import QLayer
 from ..memory import format_bytes, track
-from .checkpointing import candidate_blocks, is_recomputed, set_recompute
+from .checkpointing import candidate_blocks, inside, is_recomputed, set_recompute
+from .costs import cached_step_times
 from .errors import cached_layer_errors
+from .fastest import fastest_plan, shared_inputs
 from .order import bytes_path, error_path, refine
 from .peak import step_peak
 from .plan import (
@@ -91,6 +93,7 @@ def fit_budget(
     recompute: bool | Sequence[str] = True,
     bound: str = "kept",
     order: str = "error",
+    error_weight: float = 1.0,
 ) -> MemoryPlan:
     """Choose each Q-layer's level, and where compression alone cannot fit the blocks to
     recompute in backward, so that a forward of ``example_inputs`` keeps at most ``budget``
@@ -134,7 +137,12 @@ def fit_budget(
     with no backward pass; also what the error order falls back to where its exact probe
     step runs out of device memory (the plan's ``order`` says which was used). The plan
     records the predicted relative squared gradient error (``gradient_error``, error order
-    only).
+    only). ``"time"``: the levels and the recomputed blocks together, those of least
+    predicted step time plus ``error_weight`` times the exact step's time per unit of
+    relative squared gradient error (:mod:`.fastest`: a knapsack over costs measured by
+    ``1 + levels`` timed steps, once more with every block recomputed, three rounds, and
+    the error probes; recompute is then a choice among the others, not only the way past
+    the coarsest level); the plan records its predicted step time (``step_seconds``).
 
     Raises ValueError when even the least a plan can keep (or, with ``bound="peak"``, the
     least plan's step) is more than ``budget``, naming that smallest budget and how it is
@@ -144,6 +152,10 @@ def fit_budget(
         raise ValueError(f"bound must be one of {BOUNDS}, got {bound!r}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    if isinstance(error_weight, bool) or not (
+        isinstance(error_weight, (int, float)) and math.isfinite(error_weight) and error_weight >= 0
+    ):
+        raise ValueError(f"error_weight must be a finite number >= 0, got {error_weight!r}")
     share = budget_share(budget)
     budget_bytes = parse_bytes(budget) if share is None else 0  # a share: known once measured
     names, layers = planned_layers(model, levels)
@@ -180,7 +192,17 @@ def fit_budget(
                 )
             budget_bytes = max(1, math.floor(share * whole))
         all_exact = bound == "kept" and exact_bytes <= budget_bytes  # nothing to order
-        if order == "error" and len(names) > 1 and not all_exact:
+        times, tied = None, []
+        if order == "time" and not all_exact:
+            times = unless_out_of_memory(
+                lambda: cached_step_times(model, layers, example_inputs, forward, names, blocks)
+            )
+            if times is None:
+                order = "error"  # the exact step does not fit the device: no time to model
+            else:
+                tied = shared_inputs(model, layers, forward)
+        weighted = order == "error" or (order == "time" and error_weight > 0)
+        if weighted and len(names) > 1 and not all_exact:
             found = unless_out_of_memory(
                 lambda: cached_layer_errors(model, layers, example_inputs, forward, names, weights)
             )
@@ -190,6 +212,20 @@ def fit_budget(
                 errors, norm = found
 
         def plan_for(target: int) -> MemoryPlan:
+            if order == "time" and times is not None:
+                return fastest_plan(
+                    kept,
+                    chosen,
+                    list(layers),
+                    names,
+                    blocks,
+                    target,
+                    times,
+                    errors,
+                    norm,
+                    error_weight,
+                    tied,
+                )
             return _plan(kept, chosen, list(layers), names, blocks, target, errors)
 
         if bound == "kept":
@@ -267,11 +303,6 @@ def allowed_blocks(model: nn.Module, recompute: bool | Sequence[str]) -> list[st
             f"(its blocks: {candidate_blocks(model) or 'none found'})"
         )
     return list(recompute)
-
-
-def inside(name: str, blocks: Sequence[str]) -> bool:
-    """Whether module ``name`` is one of ``blocks`` or inside one."""
-    return any(name == b or name.startswith(b + ".") for b in blocks)
 
 
 def _plan(

@@ -1,0 +1,239 @@
+"""What each choice of a memory plan adds to a training step's time, measured on the machine.
+
+Whole steps (forward and backward) are timed with every Q-layer at each candidate level,
+and with every candidate block recomputed (the Q-layers exact), in ``rounds`` rounds that
+take the configurations in turn (so a drift of the machine's speed falls on all alike),
+after one untimed step each; the median of each is kept. During the same steps forward
+hooks time each Q-layer's and each block's forward. A step's extra time at a level is
+split over the Q-layers in proportion to how much longer each one's forward took there
+(its packing: unpacking in backward follows the packing's size); recompute's, over the
+blocks in proportion to their exact forwards (what backward runs again). So the model is
+additive and reproduces the measured uniform steps exactly:
+``step(config) = exact + sum(layer[level of l][l]) + sum(block[b] for b recomputed)``.
+
+On CUDA the hooks record events and each step ends with a synchronisation; elsewhere they
+read ``time.perf_counter``. The times are kept per model, candidate levels, Q-layers,
+blocks and shape of the example inputs, as the gradient errors are (:mod:`.errors`);
+:func:`forget_times` drops them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpointing import set_recompute
+from .measured import forget, measured_once
+from .peak import loss_for
+
+__all__ = ["StepTimes", "cached_step_times", "forget_times", "step_times"]
+
+ROUNDS = 3
+"""Timed steps per configuration (the median counts), after one untimed step each."""
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds of a training step, and what each choice adds to it (see the module
+    docstring)."""
+
+    exact: float  # a step with every Q-layer at the finest level, nothing recomputed
+    layer: list[dict[str, float]]  # per candidate level: Q-layer -> seconds it adds
+    block: dict[str, float]  # block -> seconds recomputing it adds
+    uniform: list[float]  # the measured steps with every Q-layer at each level
+    recomputed: float | None  # the measured step with every block recomputed
+
+    def predict(self, levels: Mapping[str, int], recompute: Sequence[str]) -> float:
+        """The step's seconds with each Q-layer at ``levels``' candidate index and
+        ``recompute``'s blocks recomputed."""
+        return (
+            self.exact
+            + sum(self.layer[i].get(n, 0.0) for n, i in levels.items())
+            + sum(self.block.get(b, 0.0) for b in recompute)
+        )
+
+
+def step_times(
+    model: nn.Module,
+    layers: Mapping[str, nn.Module],
+    forward: Callable[[nn.Module], Any],
+    names: Sequence[str],
+    blocks: Sequence[str],
+    rounds: int = ROUNDS,
+) -> StepTimes:
+    """Measure :class:`StepTimes` (see the module docstring). Leaves the Q-layers at
+    ``names[0]``, no block recomputed, and each parameter's ``.grad`` as it was."""
+    watched = {**layers, **{b: model.get_submodule(b) for b in blocks}}
+    params = [p for p in model.parameters() if p.requires_grad]
+    held = [p.grad for p in params]
+    clock = _Clock(next((p.device for p in params), torch.device("cpu")))
+    timer = _ForwardTimer(watched, clock)
+    configs: list[tuple[str, bool]] = [(level, False) for level in names]
+    if blocks:
+        configs.append((names[0], True))
+    steps: dict[tuple[str, bool], list[float]] = {c: [] for c in configs}
+    forwards: dict[tuple[str, bool], list[dict[str, float]]] = {c: [] for c in configs}
+
+    def set_config(level: str, recompute: bool) -> None:
+        for m in layers.values():
+            m.act_level = level
+        for b in blocks:
+            set_recompute(model.get_submodule(b), recompute)
+
+    try:
+        for timed in [False] + [True] * max(1, rounds):
+            for config in configs:
+                set_config(*config)
+                for p in params:
+                    p.grad = None
+                torch.manual_seed(0)
+                seconds, by_module = _step(model, forward, clock, timer)
+                if timed:
+                    steps[config].append(seconds)
+                    forwards[config].append(by_module)
+    finally:
+        timer.remove()
+        set_config(names[0], False)
+        for p, grad in zip(params, held, strict=True):
+            p.grad = grad
+
+    def medians(config: tuple[str, bool]) -> dict[str, float]:
+        runs = forwards[config]
+        return {n: statistics.median(r.get(n, 0.0) for r in runs) for n in watched}
+
+    uniform = [statistics.median(steps[(level, False)]) for level in names]
+    exact, exact_fwd = uniform[0], medians((names[0], False))
+    layer = [dict.fromkeys(layers, 0.0)]
+    for level, seconds in zip(names[1:], uniform[1:], strict=True):
+        fwd = medians((level, False))
+        longer = {n: max(0.0, fwd[n] - exact_fwd[n]) for n in layers}
+        layer.append(_split(seconds - exact, longer))
+    block: dict[str, float] = {}
+    recomputed = None
+    if blocks:
+        recomputed = statistics.median(steps[(names[0], True)])
+        block = _split(recomputed - exact, {b: exact_fwd[b] for b in blocks})
+    return StepTimes(exact, layer, block, uniform, recomputed)
+
+
+def _split(extra: float, weights: Mapping[str, float]) -> dict[str, float]:
+    """``extra`` seconds (none when negative: within the noise) split in proportion to
+    ``weights`` (evenly where they are all zero)."""
+    extra = max(0.0, extra)
+    total = sum(weights.values())
+    if total <= 0:
+        return {n: extra / len(weights) for n in weights} if weights else {}
+    return {n: extra * w / total for n, w in weights.items()}
+
+
+def cached_step_times(
+    model: nn.Module,
+    layers: Mapping[str, nn.Module],
+    example_inputs: Any,
+    forward: Callable[[nn.Module], Any],
+    names: Sequence[str],
+    blocks: Sequence[str],
+) -> StepTimes:
+    """:func:`step_times`, measured once per model, candidate levels, Q-layers, blocks and
+    shape of ``example_inputs`` (:mod:`.measured`)."""
+    return measured_once(
+        "times",
+        model,
+        example_inputs,
+        (tuple(names), tuple(layers), tuple(blocks)),
+        lambda: step_times(model, layers, forward, names, blocks),
+    )
+
+
+def forget_times(model: nn.Module) -> None:
+    """Drop the step times kept for ``model``: the next plan measures them again."""
+    forget("times", model)
+
+
+class _Clock:
+    """Marks in time: ``perf_counter`` readings, or CUDA events (read after a sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+class _ForwardTimer:
+    """Forward hooks that time each watched module's forwards while ``on`` (a module called
+    twice in a forward counts both calls)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], clock: _Clock) -> None:
+        self.clock = clock
+        self.on = False
+        self.spans: list[tuple[str, Any, Any]] = []
+        self._open: dict[str, list[Any]] = {}
+        self._handles = []
+        for name, module in modules.items():
+            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+            self._handles.append(module.register_forward_hook(self._post(name), always_call=True))
+
+    def _pre(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self.on:
+                self._open.setdefault(name, []).append(self.clock.mark())
+
+        return hook
+
+    def _post(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            started = self._open.get(name)
+            if self.on and started:
+                self.spans.append((name, started.pop(), self.clock.mark()))
+
+        return hook
+
+    def take(self) -> dict[str, float]:
+        """Seconds per module over the spans recorded since the last call."""
+        out: dict[str, float] = {}
+        for name, start, end in self.spans:
+            out[name] = out.get(name, 0.0) + self.clock.seconds(start, end)
+        self.spans.clear()
+        self._open.clear()
+        return out
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _step(
+    model: nn.Module, forward: Callable[[nn.Module], Any], clock: _Clock, timer: _ForwardTimer
+) -> tuple[float, dict[str, float]]:
+    clock.sync()
+    start = clock.mark()
+    timer.on = True
+    try:
+        output = forward(model)
+    finally:
+        timer.on = False
+    loss = loss_for(output, "timing a memory plan's choices")
+    loss.backward(torch.ones_like(loss))
+    del output, loss
+    end = clock.mark()
+    clock.sync()
+    return clock.seconds(start, end), timer.take()

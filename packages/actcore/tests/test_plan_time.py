@@ -1,0 +1,212 @@
+"""fit_budget(order="time"): levels and recomputed blocks chosen together by a knapsack over
+measured step times and gradient errors; the time model reproduces the steps it was
+measured on; the plan fits each budget, keeps what it predicted, never more as the budget
+falls; recompute is chosen where it costs less than compression and not otherwise; Q-layers
+fed one tensor take one level."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+import actcore
+from actcore.budget import MemoryPlan, candidate_blocks, fit_budget, forget_times
+from actcore.budget import search as budget_search
+from actcore.budget.costs import StepTimes, step_times
+from actcore.budget.fastest import shared_inputs
+from actcore.layers.base import QLayer
+from actcore.memory import profiled_bytes, track
+
+LEVELS = ["L0", "L1", "L2", "L3"]
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(width, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(F.relu(self.bn(self.conv1(x))))
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.Sequential(*(_Block(16) for _ in range(3))),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
+
+
+_X = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+_Y = torch.randint(0, 10, (4,), generator=torch.Generator().manual_seed(2))
+
+
+def _loss(model: nn.Module) -> torch.Tensor:
+    return F.cross_entropy(model(_X), _Y)
+
+
+def _kept(model: nn.Module) -> int:
+    """What one forward of the planning loss keeps (as the planner measures it)."""
+    with track(model) as report:
+        out = _loss(model)
+    del out
+    return report.retained_bytes
+
+
+def _layers(model: nn.Module) -> dict[str, QLayer]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, QLayer)}
+
+
+def test_the_time_model_reproduces_the_steps_it_was_measured_on():
+    model = actcore.convert(_net(), level="L0")
+    layers, blocks = _layers(model), candidate_blocks(model)
+    times = step_times(model, layers, _loss, LEVELS, blocks, rounds=2)
+    assert len(times.uniform) == len(LEVELS) and times.recomputed is not None
+    for i, seconds in enumerate(times.uniform):
+        predicted = times.predict(dict.fromkeys(layers, i), [])
+        assert predicted == pytest.approx(max(seconds, times.exact), rel=1e-9)
+    every = times.predict(dict.fromkeys(layers, 0), blocks)
+    assert every == pytest.approx(max(times.recomputed, times.exact), rel=1e-9)
+    assert all(v >= 0 for table in times.layer for v in table.values())
+    assert all(v >= 0 for v in times.block.values())
+    # the measuring left the model as it was: exact, nothing recomputed, no hooks
+    assert {m.act_level for m in layers.values()} == {"L0"}
+    assert not any("forward" in model.get_submodule(b).__dict__ for b in blocks)
+    assert all(not m._forward_pre_hooks for m in layers.values())
+
+
+def test_a_time_plan_fits_each_budget_keeps_what_it_predicted_and_never_more_as_it_falls():
+    model = actcore.convert(_net(), level="L0")
+    top = fit_budget(model, _loss, 2**62, recompute=False, order="bytes")
+    last = None
+    for share in (0.9, 0.7, 0.55, 0.45, 0.37):
+        budget = int(top.exact_bytes * share)
+        plan = fit_budget(model, _loss, budget, order="time")
+        assert plan.order == "time" and plan.kept_bytes <= budget
+        assert plan.kept_bytes == _kept(model)  # the plan is set on the model
+        assert plan.predicted_bytes == pytest.approx(plan.kept_bytes, rel=0.02)
+        assert plan.step_seconds is not None and plan.exact_seconds is not None
+        assert plan.step_seconds >= plan.exact_seconds
+        if last is not None:
+            assert plan.kept_bytes <= last.kept_bytes
+        last = plan
+    held = profiled_bytes(lambda: _loss(model))[1]  # an independent measure of the last plan
+    assert abs(held - last.kept_bytes) <= max(4096, 0.05 * last.kept_bytes)
+
+
+def _priced(layer_seconds: float, block_seconds: float):
+    """A stand-in for the measured times: every Q-layer at a coarser level, and every block
+    recomputed, adds the given seconds to a 1 s step."""
+
+    def fake(model, layers, example_inputs, forward, names, blocks):
+        layer = [dict.fromkeys(layers, 0.0)] + [
+            dict.fromkeys(layers, layer_seconds) for _ in names[1:]
+        ]
+        return StepTimes(1.0, layer, dict.fromkeys(blocks, block_seconds), [1.0] * len(names), 1.0)
+
+    return fake
+
+
+@pytest.mark.parametrize("recompute_is_cheap", [True, False])
+def test_recompute_is_chosen_where_it_costs_less_than_compression(monkeypatch, recompute_is_cheap):
+    model = actcore.convert(_net(), level="L0")
+    top = fit_budget(model, _loss, 2**62, recompute=False, order="bytes")
+    budget = int(top.exact_bytes * 0.45)  # the coarsest level alone fits too
+    levels_only = fit_budget(model, _loss, budget, recompute=False, order="bytes")
+    assert levels_only.kept_bytes <= budget
+    seconds = (10.0, 0.01) if recompute_is_cheap else (0.01, 10.0)
+    monkeypatch.setattr(budget_search, "cached_step_times", _priced(*seconds))
+    plan = fit_budget(model, _loss, budget, order="time", error_weight=0.0)
+    assert plan.kept_bytes <= budget
+    if recompute_is_cheap:
+        assert plan.recompute  # though levels alone fit
+        assert all(plan.levels[n] == "L0" for n in plan.levels if n.startswith("1."))
+    else:
+        assert not plan.recompute
+
+
+def test_a_heavy_error_weight_trades_compression_for_recompute(monkeypatch):
+    model = actcore.convert(_net(), level="L0")
+    top = fit_budget(model, _loss, 2**62, recompute=False, order="bytes")
+    budget = int(top.exact_bytes * 0.45)
+    monkeypatch.setattr(budget_search, "cached_step_times", _priced(0.01, 0.05))
+    light = fit_budget(model, _loss, budget, order="time", error_weight=1e-9)
+    heavy = fit_budget(model, _loss, budget, order="time", error_weight=1e6)
+    assert light.gradient_error is not None and heavy.gradient_error is not None
+    assert heavy.gradient_error < light.gradient_error
+    assert len(heavy.recompute) > len(light.recompute)
+
+
+def test_a_downsampling_conv_takes_its_block_convs_level():
+    torch.manual_seed(0)
+    model = actcore.convert(torchvision.models.resnet18(num_classes=10), level="L0")
+    x = torch.randn(2, 3, 32, 32)
+    groups = shared_inputs(model, _layers(model), lambda m: m(x))
+    for stage in ("layer2", "layer3", "layer4"):
+        assert [f"{stage}.0.conv1", f"{stage}.0.downsample.0"] in groups
+    top = fit_budget(model, x, 2**62, recompute=False, order="bytes")
+    plan = fit_budget(model, x, int(top.exact_bytes * 0.5), order="time")
+    for stage in ("layer2", "layer3", "layer4"):
+        assert plan.levels[f"{stage}.0.conv1"] == plan.levels[f"{stage}.0.downsample.0"]
+    assert plan.predicted_bytes == pytest.approx(plan.kept_bytes, rel=0.02)
+
+
+def test_the_time_plan_is_saved_and_restored_whole():
+    model = actcore.convert(_net(), level="L0")
+    top = fit_budget(model, _loss, 2**62, recompute=False, order="bytes")
+    plan = fit_budget(model, _loss, int(top.exact_bytes * 0.4), order="time")
+    again = MemoryPlan.from_state_dict(plan.state_dict())
+    assert again == plan
+    assert "x exact's (predicted)" in str(plan)
+    fresh = actcore.convert(_net(), level="L0")
+    actcore.resume.load_state_dict(fresh, actcore.resume.state_dict(model))
+    assert _kept(fresh) == plan.kept_bytes
+
+
+@pytest.mark.parametrize("weight", [-1.0, float("nan"), float("inf"), True, "1"])
+def test_a_bad_error_weight_is_refused(weight):
+    model = actcore.convert(_net(), level="L0")
+    with pytest.raises(ValueError, match="error_weight must be a finite number >= 0"):
+        fit_budget(model, _loss, "50%", order="time", error_weight=weight)
+
+
+def test_times_are_measured_once_per_shape_and_again_when_forgotten(monkeypatch):
+    model = actcore.convert(_net(), level="L0")
+    calls = []
+    real = budget_search.cached_step_times.__globals__["step_times"]
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setitem(budget_search.cached_step_times.__globals__, "step_times", counted)
+    x = _X.clone()
+    fit_budget(model, x, "40%", order="time")
+    fit_budget(model, x, "40%", order="time")
+    assert len(calls) == 1
+    forget_times(model)
+    fit_budget(model, x, "40%", order="time")
+    assert len(calls) == 2
+    fit_budget(model, torch.randn(2, 3, 16, 16), "40%", order="time")
+    assert len(calls) == 3
+
+
+def test_the_smallest_budget_is_named_when_none_fits():
+    model = actcore.convert(_net(), level="L0")
+    smallest = fit_budget(model, _loss, "1000%", order="time")  # exact, nothing to plan
+    assert smallest.kept_bytes == smallest.exact_bytes
+    plan = fit_budget(model, _loss, int(smallest.exact_bytes * 0.4), order="time")
+    with pytest.raises(ValueError, match="the smallest budget that fits") as err:
+        fit_budget(model, _loss, plan.smallest_bytes - 1, order="time")
+    assert str(plan.smallest_bytes) in str(err.value)
+    assert dataclasses.replace(plan).smallest_bytes == plan.smallest_bytes
