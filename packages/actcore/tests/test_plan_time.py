@@ -2,10 +2,12 @@
 measured step times and gradient errors; the time model reproduces the steps it was
 measured on; the plan fits each budget, keeps what it predicted, never more as the budget
 falls; recompute is chosen where it costs less than compression and not otherwise; Q-layers
-fed one tensor take one level."""
+fed one tensor take one level; the model scope is switched per block (exact: plain
+gradients, bitwise), and turned on where it costs less than recompute."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -108,7 +110,7 @@ def _priced(layer_seconds: float, block_seconds: float):
     """A stand-in for the measured times: every Q-layer at a coarser level, and every block
     recomputed, adds the given seconds to a 1 s step."""
 
-    def fake(model, layers, example_inputs, forward, names, blocks):
+    def fake(model, layers, example_inputs, forward, names, blocks, *scope):
         layer = [dict.fromkeys(layers, 0.0)] + [
             dict.fromkeys(layers, layer_seconds) for _ in names[1:]
         ]
@@ -210,3 +212,99 @@ def test_the_smallest_budget_is_named_when_none_fits():
         fit_budget(model, _loss, plan.smallest_bytes - 1, order="time")
     assert str(plan.smallest_bytes) in str(err.value)
     assert dataclasses.replace(plan).smallest_bytes == plan.smallest_bytes
+
+
+class _Gated(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.up(x).chunk(2, dim=-1)
+        return x + self.down(torch.tanh(a) * torch.sigmoid(b))  # the scope's saves
+
+
+def _gated_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.Sequential(*(_Gated(64) for _ in range(3))), nn.Linear(64, 8)
+    )
+
+
+_T = torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(3))
+
+
+def _gated_loss(model: nn.Module) -> torch.Tensor:
+    return model(_T).square().mean()
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    model.zero_grad()
+    _gated_loss(model).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_an_unconverted_model_gets_a_scope_the_plan_switches_per_block():
+    plain = _gated_net()
+    model = copy.deepcopy(plain)
+    plan = fit_budget(model, _gated_loss, "1000%", order="time")
+    assert model.act_report.level == "L2" and model.act_scope is not None
+    assert set(plan.scope) == {"", "1.0", "1.1", "1.2"} and not any(plan.scope.values())
+    assert plan.kept_bytes == plan.exact_bytes == _kept_by(model, _gated_loss)
+    for a, b in zip(_grads(plain), _grads(model), strict=True):
+        assert torch.equal(a, b)  # exact: plain PyTorch's gradients, bitwise
+
+
+def _kept_by(model: nn.Module, loss) -> int:
+    with track(model) as report:
+        out = loss(model)
+    del out
+    return report.retained_bytes
+
+
+def _scope_priced(scope_seconds: float, block_seconds: float):
+    def fake(model, layers, example_inputs, forward, names, blocks, units, set_scope):
+        layer = [dict.fromkeys(layers, 0.0)] + [dict.fromkeys(layers, 10.0) for _ in names[1:]]
+        return StepTimes(
+            1.0,
+            layer,
+            dict.fromkeys(blocks, block_seconds),
+            [1.0] * len(names),
+            1.0,
+            dict.fromkeys(units, scope_seconds),
+            1.0,
+        )
+
+    return fake
+
+
+@pytest.mark.parametrize("scope_is_cheap", [True, False])
+def test_the_scope_is_switched_on_where_it_costs_less_than_recompute(monkeypatch, scope_is_cheap):
+    plain = _gated_net()
+    model = copy.deepcopy(plain)
+    exact = fit_budget(model, _gated_loss, "1000%", order="time").exact_bytes
+    budget = int(exact * 0.75)
+    seconds = (0.01, 10.0) if scope_is_cheap else (10.0, 0.01)
+    monkeypatch.setattr(budget_search, "cached_step_times", _scope_priced(*seconds))
+    plan = fit_budget(model, _gated_loss, budget, order="time", error_weight=0.0)
+    assert plan.kept_bytes <= budget and plan.kept_bytes == _kept_by(model, _gated_loss)
+    assert set(plan.levels.values()) == {"L0"}  # the Q-layers' levels cost most here
+    if scope_is_cheap:
+        assert any(plan.scope.values()) and not plan.recompute
+    else:
+        assert plan.recompute and not any(plan.scope.values())
+        for a, b in zip(_grads(plain), _grads(model), strict=True):
+            assert torch.equal(a, b)  # recompute alone: bitwise plain, as the issue asks
+    again = MemoryPlan.from_state_dict(plan.state_dict())
+    assert again.scope == plan.scope
+    other = copy.deepcopy(plain)
+    actcore.convert(other, level="L2")
+    again.apply(other)
+    assert _kept_by(other, _gated_loss) == plan.kept_bytes
+
+
+def test_a_model_converted_at_an_adaptive_level_is_refused_for_the_time_order():
+    model = actcore.convert(_gated_net(), level="L3")
+    with pytest.raises(ValueError, match="adaptive bits"):
+        fit_budget(model, _gated_loss, "50%", order="time")

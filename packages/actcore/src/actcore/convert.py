@@ -25,7 +25,7 @@ from .fewbit.convert import (
 )
 from .layers.modules import Q_LAYERS, ConvertedLayer, QLayer, unsupported_reason
 from .layers.recompute import RecomputedModule, recomputed_class
-from .layers.scope import attach_scope, detach_scope
+from .layers.scope import attach_scope, detach_scope, set_scope_exact
 from .policies import Policy
 from .policy_scheme import make_scheme, set_policy
 from .rng import attach_stream
@@ -173,10 +173,11 @@ def convert(
         if isinstance(module, ConvertedLayer):
             module.act_in_scope = in_scope
     plan = model.__dict__.pop("act_memory_plan", None)  # every Q-layer at `level` again
-    if plan is not None and plan.recompute:  # and no block recomputed by a plan
+    if plan is not None:  # and no block recomputed or kept exact by a plan
         for name, module in model.named_modules():
             if name in plan.recompute:
                 set_recompute(module, False)
+            set_scope_exact(module, None)
     model.act_report = report
     log.info("%s", report)
     return model

@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,14 +48,20 @@ class StepTimes:
     block: dict[str, float]  # block -> seconds recomputing it adds
     uniform: list[float]  # the measured steps with every Q-layer at each level
     recomputed: float | None  # the measured step with every block recomputed
+    scope: dict[str, float] = field(default_factory=dict)  # unit -> seconds its scope adds
+    scoped: float | None = None  # the step with the scope on in every unit (measured in two)
 
-    def predict(self, levels: Mapping[str, int], recompute: Sequence[str]) -> float:
-        """The step's seconds with each Q-layer at ``levels``' candidate index and
-        ``recompute``'s blocks recomputed."""
+    def predict(
+        self, levels: Mapping[str, int], recompute: Sequence[str], scope: Sequence[str] = ()
+    ) -> float:
+        """The step's seconds with each Q-layer at ``levels``' candidate index,
+        ``recompute``'s blocks recomputed and the model scope compressing in ``scope``'s
+        units."""
         return (
             self.exact
             + sum(self.layer[i].get(n, 0.0) for n, i in levels.items())
             + sum(self.block.get(b, 0.0) for b in recompute)
+            + sum(self.scope.get(u, 0.0) for u in scope)
         )
 
 
@@ -66,25 +72,45 @@ def step_times(
     names: Sequence[str],
     blocks: Sequence[str],
     rounds: int = ROUNDS,
+    units: Sequence[str] = (),
+    set_scope: Callable[[Sequence[str]], None] | None = None,
 ) -> StepTimes:
-    """Measure :class:`StepTimes` (see the module docstring). Leaves the Q-layers at
-    ``names[0]``, no block recomputed, and each parameter's ``.grad`` as it was."""
-    watched = {**layers, **{b: model.get_submodule(b) for b in blocks}}
+    """Measure :class:`StepTimes` (see the module docstring). ``units``: the modules in
+    which the model scope can compress or keep exact (``set_scope(on)`` switches it on in
+    those of ``on``, exact in the others), ``""`` for what no other unit holds: two more
+    configurations, the scope on in ``""`` alone (its extra time is that unit's), and on in
+    every other unit (its extra time split over them by how much longer their forwards
+    took). Leaves the Q-layers at ``names[0]``, no block recomputed, the scope exact, and
+    each parameter's ``.grad`` as it was."""
+    units = list(units) if set_scope is not None else []
+    watched = {
+        **layers,
+        **{b: model.get_submodule(b) for b in blocks},
+        **{u: model.get_submodule(u) for u in units},
+    }
     params = [p for p in model.parameters() if p.requires_grad]
     held = [p.grad for p in params]
     clock = _Clock(next((p.device for p in params), torch.device("cpu")))
     timer = _ForwardTimer(watched, clock)
-    configs: list[tuple[str, bool]] = [(level, False) for level in names]
+    # (level, every block recomputed, the scope's units on: none, "" alone, or the others)
+    configs: list[tuple[str, bool, str]] = [(level, False, "") for level in names]
     if blocks:
-        configs.append((names[0], True))
-    steps: dict[tuple[str, bool], list[float]] = {c: [] for c in configs}
-    forwards: dict[tuple[str, bool], list[dict[str, float]]] = {c: [] for c in configs}
+        configs.append((names[0], True, ""))
+    if units:
+        configs.append((names[0], False, "rest"))
+        if len(units) > 1:
+            configs.append((names[0], False, "blocks"))
+    steps: dict[tuple[str, bool, str], list[float]] = {c: [] for c in configs}
+    forwards: dict[tuple[str, bool, str], list[dict[str, float]]] = {c: [] for c in configs}
+    inner = [u for u in units if u != ""]
 
-    def set_config(level: str, recompute: bool) -> None:
+    def set_config(level: str, recompute: bool, scope: str) -> None:
         for m in layers.values():
             m.act_level = level
         for b in blocks:
             set_recompute(model.get_submodule(b), recompute)
+        if set_scope is not None:
+            set_scope([""] if scope == "rest" else inner if scope == "blocks" else [])
 
     try:
         for timed in [False] + [True] * max(1, rounds):
@@ -99,27 +125,40 @@ def step_times(
                     forwards[config].append(by_module)
     finally:
         timer.remove()
-        set_config(names[0], False)
+        set_config(names[0], False, "")
         for p, grad in zip(params, held, strict=True):
             p.grad = grad
 
-    def medians(config: tuple[str, bool]) -> dict[str, float]:
+    def medians(config: tuple[str, bool, str]) -> dict[str, float]:
         runs = forwards[config]
         return {n: statistics.median(r.get(n, 0.0) for r in runs) for n in watched}
 
-    uniform = [statistics.median(steps[(level, False)]) for level in names]
-    exact, exact_fwd = uniform[0], medians((names[0], False))
+    uniform = [statistics.median(steps[(level, False, "")]) for level in names]
+    exact, exact_fwd = uniform[0], medians((names[0], False, ""))
     layer = [dict.fromkeys(layers, 0.0)]
     for level, seconds in zip(names[1:], uniform[1:], strict=True):
-        fwd = medians((level, False))
+        fwd = medians((level, False, ""))
         longer = {n: max(0.0, fwd[n] - exact_fwd[n]) for n in layers}
         layer.append(_split(seconds - exact, longer))
     block: dict[str, float] = {}
     recomputed = None
     if blocks:
-        recomputed = statistics.median(steps[(names[0], True)])
+        recomputed = statistics.median(steps[(names[0], True, "")])
         block = _split(recomputed - exact, {b: exact_fwd[b] for b in blocks})
-    return StepTimes(exact, layer, block, uniform, recomputed)
+    scope: dict[str, float] = {}
+    scoped = None
+    if units:
+        rest = statistics.median(steps[(names[0], False, "rest")])
+        scope = {"": max(0.0, rest - exact)} if "" in units else {}
+        scoped = exact + scope.get("", 0.0)
+        if inner:
+            seconds = statistics.median(steps[(names[0], False, "blocks")])
+            fwd = medians((names[0], False, "blocks"))
+            scope.update(
+                _split(seconds - exact, {u: max(0.0, fwd[u] - exact_fwd[u]) for u in inner})
+            )
+            scoped += max(0.0, seconds - exact)
+    return StepTimes(exact, layer, block, uniform, recomputed, scope, scoped)
 
 
 def _split(extra: float, weights: Mapping[str, float]) -> dict[str, float]:
@@ -139,15 +178,17 @@ def cached_step_times(
     forward: Callable[[nn.Module], Any],
     names: Sequence[str],
     blocks: Sequence[str],
+    units: Sequence[str] = (),
+    set_scope: Callable[[Sequence[str]], None] | None = None,
 ) -> StepTimes:
-    """:func:`step_times`, measured once per model, candidate levels, Q-layers, blocks and
-    shape of ``example_inputs`` (:mod:`.measured`)."""
+    """:func:`step_times`, measured once per model, candidate levels, Q-layers, blocks,
+    scope units and shape of ``example_inputs`` (:mod:`.measured`)."""
     return measured_once(
         "times",
         model,
         example_inputs,
-        (tuple(names), tuple(layers), tuple(blocks)),
-        lambda: step_times(model, layers, forward, names, blocks),
+        (tuple(names), tuple(layers), tuple(blocks), tuple(units)),
+        lambda: step_times(model, layers, forward, names, blocks, units=units, set_scope=set_scope),
     )
 
 

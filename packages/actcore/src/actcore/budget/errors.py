@@ -27,7 +27,14 @@ from ..layers.base import QLayer
 from .measured import forget, measured_once
 from .peak import loss_for
 
-__all__ = ["GROUPS", "cached_layer_errors", "forget_errors", "layer_errors"]
+__all__ = [
+    "GROUPS",
+    "cached_layer_errors",
+    "cached_scope_errors",
+    "forget_errors",
+    "layer_errors",
+    "scope_errors",
+]
 
 GROUPS = 8
 """Runs of Q-layers probed together per level (the cost: one step each)."""
@@ -59,11 +66,7 @@ def layer_errors(
                 grads = _gradients(
                     model, layers, forward, dict.fromkeys(run, level), names[0], params
                 )
-                error = sum(
-                    float((g.double() - g0.double()).square().sum())
-                    for g, g0 in zip(grads, exact, strict=True)
-                    if g is not None and g0 is not None
-                )
+                error = _squared_distance(grads, exact)
                 total = sum(weights.get(n, 0) for n in run)
                 for n in run:
                     table[n] = error * weights.get(n, 0) / total if total else error / len(run)
@@ -74,6 +77,50 @@ def layer_errors(
         for p, grad in zip(params, held, strict=True):
             p.grad = grad
     return tables, norm
+
+
+def scope_errors(
+    model: nn.Module,
+    layers: Mapping[str, QLayer],
+    forward: Callable[[nn.Module], Any],
+    exact_level: str,
+    units: Sequence[str],
+    set_scope: Callable[[Sequence[str]], None],
+    weights: Mapping[str, int],
+) -> dict[str, float]:
+    """Each scope unit's share of the squared gradient error when the model scope
+    compresses inside it (``set_scope(units)`` switches it on in those units and keeps the
+    rest exact), the Q-layers exact: runs of at most :data:`GROUPS` units probed one step
+    each, a run's error split in proportion to ``weights`` (the bytes each unit saves).
+    Leaves the scope exact everywhere and each parameter's ``.grad`` as it was."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    held = [p.grad for p in params]
+    order = list(units)
+    runs = [order[i * len(order) // GROUPS : (i + 1) * len(order) // GROUPS] for i in range(GROUPS)]
+    table: dict[str, float] = {}
+    try:
+        set_scope(())
+        exact = _gradients(model, layers, forward, {}, exact_level, params)
+        for run in (r for r in runs if r):
+            set_scope(run)
+            grads = _gradients(model, layers, forward, {}, exact_level, params)
+            error = _squared_distance(grads, exact)
+            total = sum(weights.get(u, 0) for u in run)
+            for u in run:
+                table[u] = error * weights.get(u, 0) / total if total else error / len(run)
+    finally:
+        set_scope(())
+        for p, grad in zip(params, held, strict=True):
+            p.grad = grad
+    return table
+
+
+def _squared_distance(grads: list[torch.Tensor | None], exact: list[torch.Tensor | None]) -> float:
+    return sum(
+        float((g.double() - g0.double()).square().sum())
+        for g, g0 in zip(grads, exact, strict=True)
+        if g is not None and g0 is not None
+    )
 
 
 def cached_layer_errors(
@@ -92,6 +139,27 @@ def cached_layer_errors(
         example_inputs,
         (tuple(names), tuple(layers)),
         lambda: layer_errors(model, layers, forward, names, weights),
+    )
+
+
+def cached_scope_errors(
+    model: nn.Module,
+    layers: Mapping[str, QLayer],
+    example_inputs: Any,
+    forward: Callable[[nn.Module], Any],
+    exact_level: str,
+    units: Sequence[str],
+    set_scope: Callable[[Sequence[str]], None],
+    weights: Mapping[str, int],
+) -> dict[str, float]:
+    """:func:`scope_errors`, measured once per model, Q-layers, units and shape of
+    ``example_inputs`` (:mod:`.measured`)."""
+    return measured_once(
+        "errors",
+        model,
+        example_inputs,
+        ("scope", exact_level, tuple(layers), tuple(units)),
+        lambda: scope_errors(model, layers, forward, exact_level, units, set_scope, weights),
     )
 
 

@@ -14,6 +14,7 @@ at most), as the peak bound does.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,135 +26,160 @@ from .costs import StepTimes
 from .knapsack import Block, Option, solve
 from .plan import MemoryPlan
 
-__all__ = ["RECOMPUTE", "fastest_plan", "shared_inputs"]
+__all__ = ["RECOMPUTE", "SCOPE_EXACT", "SCOPE_ON", "Problem", "fastest_plan", "shared_inputs"]
 
 RECOMPUTE = "recompute"
 """The choice of a block recomputed in backward."""
+SCOPE_ON, SCOPE_EXACT = "scope on", "scope exact"
+"""The choices of a scope unit: the model scope compresses what it saves, or keeps it."""
 
 _TRIES = 6
 
 Kept = Callable[[Mapping[str, str]], tuple[int, dict[str, int]]]
 
 
-def fastest_plan(
-    kept: Kept,
-    chosen: list[str],
-    layers: list[str],
-    names: list[str],
-    blocks: list[str],
-    budget: int,
-    times: StepTimes,
-    errors: list[dict[str, float]] | None,
-    norm: float,
-    error_weight: float,
-    tied: Sequence[Sequence[str]] = (),
-) -> MemoryPlan:
-    """The least-cost plan whose forward keeps at most ``budget`` bytes, measured (``kept``
-    measures a configuration with the blocks in ``chosen`` recomputed; ``chosen`` is left
-    at the plan's). ``tied``: groups of Q-layers that take one level together
-    (:func:`shared_inputs`). ValueError naming the smallest budget when none fits."""
-    groups = _groups(layers, blocks, tied)
-    chosen.clear()
-    tables = [kept(dict.fromkeys(layers, name))[1] for name in names]
-    exact_bytes = kept(dict.fromkeys(layers, names[0]))[0]
-    every: dict[str, int] = {}
-    if blocks:
-        chosen[:] = blocks
-        every = kept(dict.fromkeys(layers, names[0]))[1]
-        chosen.clear()
-    price = error_weight * times.exact / norm if errors is not None and norm > 0 else 0.0
+@dataclass
+class Problem:
+    """What :func:`fastest_plan` reads. ``kept`` measures a configuration of Q-layer levels
+    with the blocks in ``chosen`` recomputed and the model scope compressing in the units of
+    ``scoped`` (exact in the others); ``chosen`` and ``scoped`` are left at the plan's."""
+
+    kept: Kept
+    chosen: list[str]
+    scoped: list[str]
+    layers: list[str]  # the Q-layers planned
+    names: list[str]  # candidate levels, finest first
+    regions: list[str]  # the blocks the plan is made of
+    recomputable: list[str]  # those of them that may be recomputed
+    units: list[str]  # where the scope can compress or keep exact ("" the rest); [] no scope
+    times: StepTimes
+    errors: list[dict[str, float]] | None  # per level: Q-layer -> squared gradient error
+    unit_errors: dict[str, float] | None  # scope unit -> squared gradient error when on
+    norm: float  # the exact gradient's squared norm
+    error_weight: float
+    tied: Sequence[Sequence[str]] = ()  # Q-layers that take one level (shared_inputs)
+
+
+def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
+    """The least-cost plan whose forward keeps at most ``budget`` bytes, measured.
+    ValueError naming the smallest budget when none fits."""
+    p = problem
+    names, layers, regions, units = p.names, p.layers, p.regions, p.units
+    groups = _groups(layers, regions, p.tied)
+    exact_levels = dict.fromkeys(layers, names[0])
+
+    def measured(
+        levels: Mapping[str, str], recomputed: Sequence[str] = (), on: Sequence[str] = ()
+    ) -> tuple[int, dict[str, int]]:
+        p.chosen[:], p.scoped[:] = recomputed, on
+        return p.kept(levels)
+
+    tables = [measured(dict.fromkeys(layers, name))[1] for name in names]
+    exact_bytes = measured(exact_levels)[0]
+    every = measured(exact_levels, p.recomputable)[1] if p.recomputable else {}
+    scope_on = measured(exact_levels, (), units)[1] if units else {}
+    errors = p.errors
+    price = p.error_weight * p.times.exact / p.norm if p.norm > 0 else 0.0
     planned = set(layers)
+    others = {k: v for k, v in tables[0].items() if k not in planned}
+    others_on = {k: v for k, v in scope_on.items() if k not in planned}
 
     def options(group: Sequence[str]) -> list[Option]:
         return [
             Option(
                 sum(table.get(n, 0) for n in group),
-                sum(times.layer[i].get(n, 0.0) for n in group)
-                + (
-                    price * sum(errors[i].get(n, 0.0) for n in group) if errors is not None else 0.0
-                ),
+                sum(p.times.layer[i].get(n, 0.0) for n in group)
+                + (price * sum(errors[i].get(n, 0.0) for n in group) if errors else 0.0),
                 name,
             )
             for i, (name, table) in enumerate(zip(names, tables, strict=True))
         ]
 
-    others = {k: v for k, v in tables[0].items() if k not in planned}  # kept whatever the levels
-    units: list[tuple[str | None, list[list[str]], Block]] = []
-    for b in blocks:
-        members = [g for g in groups if inside(g[0], [b])]
-        fixed = sum(v for k, v in others.items() if inside(k, [b]))
-        whole = Option(
-            sum(v for k, v in every.items() if inside(k, [b])), times.block.get(b, 0.0), RECOMPUTE
-        )
-        rows = [options(g) for g in members] + [[Option(fixed, 0.0)]]
-        units.append((b, members, Block(rows, whole)))
-    for g in groups:
-        if not inside(g[0], blocks):
-            units.append((None, [g], Block([options(g)])))
-    constant = sum(v for k, v in others.items() if not inside(k, blocks))
+    def scope_choice(held_exact: int, held_on: int, unit: str) -> list[Option]:
+        exact = Option(held_exact, 0.0, SCOPE_EXACT)
+        if unit not in units:
+            return [exact]
+        error = price * (p.unit_errors or {}).get(unit, 0.0)
+        return [exact, Option(held_on, p.times.scope.get(unit, 0.0) + error, SCOPE_ON)]
 
-    def configuration(solution_chosen: Sequence[object]) -> tuple[dict[str, str], list[str]]:
+    def under(table: Mapping[str, int], region: str) -> int:
+        return sum(v for k, v in table.items() if inside(k, [region]))
+
+    parts: list[tuple[str | None, list[list[str]], Block]] = []
+    for b in regions:
+        members = [g for g in groups if inside(g[0], [b])]
+        rows = [options(g) for g in members] + [
+            scope_choice(under(others, b), under(others_on, b), b)
+        ]
+        whole = (
+            Option(under(every, b), p.times.block.get(b, 0.0), RECOMPUTE)
+            if b in p.recomputable
+            else None
+        )
+        parts.append((b, members, Block(rows, whole)))
+    for g in groups:
+        if not inside(g[0], regions):
+            parts.append((None, [g], Block([options(g)])))
+    rest = {k: v for k, v in others.items() if not inside(k, regions)}
+    rest_on = {k: v for k, v in others_on.items() if not inside(k, regions)}
+    parts.append(("", [], Block([scope_choice(sum(rest.values()), sum(rest_on.values()), "")])))
+
+    def configuration(picks: Sequence[object]) -> tuple[dict[str, str], list[str], list[str]]:
         levels: dict[str, str] = {}
         recomputed: list[str] = []
-        for (block, members, _), picked in zip(units, solution_chosen, strict=True):
+        on: list[str] = []
+        for (region, members, _), picked in zip(parts, picks, strict=True):
             if isinstance(picked, Option):  # the block recomputed: its Q-layers exact
-                recomputed.append(block)  # type: ignore[arg-type]
+                recomputed.append(region)  # type: ignore[arg-type]
                 levels.update({n: names[0] for group in members for n in group})
-            else:
-                for group, option in zip(members, picked[: len(members)], strict=True):  # type: ignore[index]
-                    levels.update(dict.fromkeys(group, option.choice))
-        return {n: levels[n] for n in layers}, recomputed
+                continue
+            for group, option in zip(members, picked, strict=False):  # type: ignore[call-overload]
+                levels.update(dict.fromkeys(group, option.choice))
+            if region is not None and picked[-1].choice == SCOPE_ON:  # type: ignore[index]
+                on.append(region)
+        return {n: levels[n] for n in layers}, recomputed, [u for u in units if u in on]
 
-    def measured(levels: Mapping[str, str], recomputed: Sequence[str]) -> int:
-        chosen[:] = recomputed
-        return kept(levels)[0]
-
-    lightest = solve([_by_bytes(blk) for _, _, blk in units], 2**62)  # cost = bytes
+    lightest = solve([_by_bytes(block) for _, _, block in parts], 2**62)  # cost = bytes
     assert lightest is not None
-    smallest_levels, smallest_blocks = configuration(lightest.chosen)
-    smallest = measured(smallest_levels, smallest_blocks)
-    target = budget - constant
-    for _ in range(_TRIES):
-        solution = solve([u[2] for u in units], target) if target >= 0 else None
-        if solution is None:
-            break
-        levels, recomputed = configuration(solution.chosen)
-        used = measured(levels, recomputed)
-        if used <= budget:
-            index = {name: i for i, name in enumerate(names)}
-            seconds = times.predict({n: index[v] for n, v in levels.items()}, recomputed)
-            chosen[:] = recomputed
-            return MemoryPlan(
-                budget,
-                levels,
-                used,
-                exact_bytes,
-                smallest,
-                recompute=tuple(recomputed),
-                predicted_bytes=constant + solution.bytes,
-                step_seconds=seconds,
-                exact_seconds=times.exact,
-            )
-        target = min(target - 1, target - (used - budget))
-    chosen.clear()
-    if smallest <= budget:  # the lightest configuration fits where the solutions did not
+    least = configuration(lightest.chosen)
+    smallest = measured(*least)[0]
+
+    def planned_as(
+        config: tuple[dict[str, str], list[str], list[str]], used: int, **extra: Any
+    ) -> MemoryPlan:
+        levels, recomputed, on = config
         index = {name: i for i, name in enumerate(names)}
-        chosen[:] = smallest_blocks
+        p.chosen[:], p.scoped[:] = recomputed, on
         return MemoryPlan(
             budget,
-            smallest_levels,
-            smallest,
+            levels,
+            used,
             exact_bytes,
             smallest,
-            recompute=tuple(smallest_blocks),
-            step_seconds=times.predict(
-                {n: index[v] for n, v in smallest_levels.items()}, smallest_blocks
-            ),
-            exact_seconds=times.exact,
+            recompute=tuple(recomputed),
+            scope={u: u in on for u in units},
+            step_seconds=p.times.predict({n: index[v] for n, v in levels.items()}, recomputed, on),
+            exact_seconds=p.times.exact,
+            **extra,
         )
-    how = f"{len(smallest_blocks)} of {len(blocks)} blocks recomputed, the other Q-layers " + (
+
+    target = budget
+    for _ in range(_TRIES):
+        solution = solve([block for _, _, block in parts], target) if target >= 0 else None
+        if solution is None:
+            break
+        config = configuration(solution.chosen)
+        used = measured(*config)[0]
+        if used <= budget:
+            return planned_as(config, used, predicted_bytes=solution.bytes)
+        target = min(target - 1, target - (used - budget))
+    if smallest <= budget:  # the lightest configuration fits where the solutions did not
+        return planned_as(least, smallest)
+    how = f"{len(least[1])} of {len(p.recomputable)} blocks recomputed, the other Q-layers " + (
         f"at their lightest of {', '.join(names)}"
     )
+    if units:
+        how += f", the scope compressing in {len(least[2])} of {len(units)} parts"
     raise ValueError(
         f"a budget of {format_bytes(budget)} cannot be met: the least a plan keeps is "
         f"{format_bytes(smallest)} ({smallest} bytes, {how}), the smallest budget that "
@@ -222,9 +248,8 @@ def _groups(
 
 def _by_bytes(block: Block) -> Block:
     """``block`` with each option's cost its bytes: its cheapest is its lightest."""
+    whole = block.whole
     return Block(
         [[Option(o.bytes, float(o.bytes), o.choice) for o in row] for row in block.members],
-        None
-        if block.whole is None
-        else Option(block.whole.bytes, float(block.whole.bytes), RECOMPUTE),
+        None if whole is None else Option(whole.bytes, float(whole.bytes), whole.choice),
     )

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..config import level_spec
 from ..layers.base import QLayer
+from ..layers.scope import scope_exact, set_scope_exact
 from ..memory import format_bytes
 from .checkpointing import is_recomputed, set_recompute
 
@@ -133,6 +134,9 @@ class MemoryPlan:
     predicted_bytes: int | None = None  # what the knapsack predicted it keeps (order "time")
     step_seconds: float | None = None  # the plan's predicted step time (order "time")
     exact_seconds: float | None = None  # the measured step with every Q-layer exact
+    # module -> whether the model scope compresses what it saves there (True) or keeps it
+    # exact (order "time" on a model with a scope; "" is what no other unit holds)
+    scope: Mapping[str, bool] = field(default_factory=dict)
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Set each planned Q-layer of ``model`` to its level, recompute exactly the plan's
@@ -145,6 +149,10 @@ class MemoryPlan:
         for name, module in model.named_modules():
             if name in chosen or is_recomputed(module):
                 set_recompute(module, name in chosen)
+            if name in self.scope:
+                set_scope_exact(module, not self.scope[name])
+            elif scope_exact(module) is not None:
+                set_scope_exact(module, None)
         model.__dict__["act_memory_plan"] = self
         return model
 
@@ -170,6 +178,19 @@ class MemoryPlan:
                     f"the memory plan recomputes {name!r}, but {type(model).__name__} has no "
                     "module of that name: load it into the model it was made for"
                 )
+        for name in self.scope:
+            if name not in names:
+                raise ValueError(
+                    f"the memory plan sets the scope in {name!r}, but {type(model).__name__} "
+                    "has no module of that name: load it into the model it was made for"
+                )
+        if any(self.scope.values()) and getattr(model, "act_scope", None) is None:
+            raise ValueError(
+                f"the memory plan compresses the rest of the forward in "
+                f"{[n for n, on in self.scope.items() if on]}, but this "
+                f"{type(model).__name__} has no model scope: convert it at a level that "
+                "compresses, as the model it was made for was"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """The plan as plain data (:func:`actcore.resume.state_dict` saves it)."""
@@ -189,6 +210,7 @@ class MemoryPlan:
             "predicted_bytes": self.predicted_bytes,
             "step_seconds": self.step_seconds,
             "exact_seconds": self.exact_seconds,
+            "scope": dict(self.scope),
         }
 
     @classmethod
@@ -210,6 +232,7 @@ class MemoryPlan:
             predicted_bytes=state.get("predicted_bytes"),
             step_seconds=state.get("step_seconds"),
             exact_seconds=state.get("exact_seconds"),
+            scope=dict(state.get("scope", {})),
         )
 
     def describe(self) -> str:
@@ -220,6 +243,11 @@ class MemoryPlan:
         spread = ", ".join(f"{n} at {level}" for level, n in sorted(counts.items()))
         if self.recompute:
             spread += f"; {len(self.recompute)} blocks recomputed ({', '.join(self.recompute)})"
+        if self.scope:
+            on = [n or "the rest" for n, c in self.scope.items() if c]
+            spread += f"; the scope compressing in {len(on)} of {len(self.scope)} parts" + (
+                f" ({', '.join(on)})" if on else ""
+            )
         return spread
 
     def table(self) -> str:

@@ -16,11 +16,12 @@ from ..compressors.zero_value import settle
 from ..config import level_spec
 from ..convert import convert
 from ..layers.base import QLayer
+from ..layers.scope import scope_exact, set_scope_exact
 from ..memory import format_bytes, track
 from .checkpointing import candidate_blocks, inside, is_recomputed, set_recompute
 from .costs import cached_step_times
-from .errors import cached_layer_errors
-from .fastest import fastest_plan, shared_inputs
+from .errors import cached_layer_errors, cached_scope_errors
+from .fastest import Problem, fastest_plan, shared_inputs
 from .order import bytes_path, error_path, refine
 from .peak import step_peak
 from .plan import (
@@ -62,11 +63,13 @@ def forward_of(example_inputs: Any) -> Callable[[nn.Module], Any]:
 def preserved(model: nn.Module, layers: Mapping[str, QLayer]) -> Iterator[None]:
     """Undo what planning forwards leave behind: buffer updates (batch-norm statistics),
     draws from torch's generators (dropout), and the levels of ``layers`` and the blocks
-    recomputed that they were measured at. Inside, no block starts recomputed (a plan is
-    made from scratch); after, the model is as before, and a plan sets its own."""
+    recomputed and the scope's choices that they were measured at. Inside, no block starts
+    recomputed (a plan is made from scratch); after, the model is as before, and a plan
+    sets its own."""
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
     levels = {n: m.act_spec for n, m in layers.items()}
     recomputed = {id(m) for m in model.modules() if is_recomputed(m)}
+    scope_states = {id(m): scope_exact(m) for m in model.modules()}
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         try:
@@ -82,6 +85,8 @@ def preserved(model: nn.Module, layers: Mapping[str, QLayer]) -> Iterator[None]:
                 m.act_spec = levels[n]
             for m in model.modules():
                 set_recompute(m, id(m) in recomputed)
+                if scope_exact(m) != scope_states.get(id(m)):
+                    set_scope_exact(m, scope_states.get(id(m)))
 
 
 def fit_budget(
@@ -158,27 +163,38 @@ def fit_budget(
         raise ValueError(f"error_weight must be a finite number >= 0, got {error_weight!r}")
     share = budget_share(budget)
     budget_bytes = parse_bytes(budget) if share is None else 0  # a share: known once measured
-    names, layers = planned_layers(model, levels)
+    names, layers = planned_layers(model, levels, scope=order == "time")
     blocks = allowed_blocks(model, recompute)
+    regions = blocks or candidate_blocks(model)  # what the time order's plan is made of
+    has_scope = order == "time" and getattr(model, "act_scope", None) is not None
+    units = ["", *regions] if has_scope else []  # where the scope is switched
     forward = forward_of(example_inputs)
     chosen: list[str] = []  # the blocks recomputed in the configuration measured next
+    scoped: list[str] = []  # the units in which its scope compresses (exact in the others)
     measured: dict[tuple, tuple[int, dict[str, int]]] = {}
+
+    def set_scope(on: Sequence[str]) -> None:
+        for unit in units:
+            set_scope_exact(model.get_submodule(unit), unit not in on)
 
     def kept(config: Mapping[str, str]) -> tuple[int, dict[str, int]]:
         """(Forwards are seeded, so a configuration measured once is not measured again.)"""
-        key = (tuple(chosen), tuple(config[n] for n in layers))
+        key = (tuple(chosen), tuple(scoped), tuple(config[n] for n in layers))
         if key not in measured:
             for name in blocks:
                 set_recompute(model.get_submodule(name), name in chosen)
+            set_scope(scoped)
             measured[key] = measure(model, layers, forward, config)
         return measured[key]
 
     def peak(plan: MemoryPlan) -> int:
         for name in blocks:
             set_recompute(model.get_submodule(name), name in plan.recompute)
+        set_scope([u for u, on in plan.scope.items() if on])
         return step_peak_at(model, layers, forward, plan.levels)
 
     with preserved(model, layers):
+        set_scope(())  # exact everywhere, as every configuration starts
         errors, norm = None, 0.0
         exact = dict.fromkeys(layers, names[0])
         exact_bytes, weights = kept(exact)
@@ -192,17 +208,21 @@ def fit_budget(
                 )
             budget_bytes = max(1, math.floor(share * whole))
         all_exact = bound == "kept" and exact_bytes <= budget_bytes  # nothing to order
-        times, tied = None, []
+        times, tied, unit_errors = None, [], None
         if order == "time" and not all_exact:
             times = unless_out_of_memory(
-                lambda: cached_step_times(model, layers, example_inputs, forward, names, blocks)
+                lambda: cached_step_times(
+                    model, layers, example_inputs, forward, names, blocks, units, set_scope
+                )
             )
-            if times is None:
-                order = "error"  # the exact step does not fit the device: no time to model
-            else:
-                tied = shared_inputs(model, layers, forward)
+            if times is None:  # the exact step does not fit the device: no time to model
+                raise ValueError(
+                    "order='time' times training steps of the model, and the exact step runs "
+                    "out of device memory: plan with order='error' or 'bytes'"
+                )
+            tied = shared_inputs(model, layers, forward)
         weighted = order == "error" or (order == "time" and error_weight > 0)
-        if weighted and len(names) > 1 and not all_exact:
+        if weighted and (len(names) > 1 or units) and not all_exact:
             found = unless_out_of_memory(
                 lambda: cached_layer_errors(model, layers, example_inputs, forward, names, weights)
             )
@@ -210,22 +230,37 @@ def fit_budget(
                 order = "bytes"  # the exact step does not fit the device: by bytes alone
             else:
                 errors, norm = found
+            if units and found is not None:
+                unit_errors = cached_scope_errors(
+                    model,
+                    layers,
+                    example_inputs,
+                    forward,
+                    names[0],
+                    units,
+                    set_scope,
+                    _scope_savings(kept, scoped, exact, units, regions, layers),
+                )
 
         def plan_for(target: int) -> MemoryPlan:
             if order == "time" and times is not None:
-                return fastest_plan(
+                problem = Problem(
                     kept,
                     chosen,
+                    scoped,
                     list(layers),
                     names,
+                    regions,
                     blocks,
-                    target,
+                    units,
                     times,
                     errors,
+                    unit_errors,
                     norm,
                     error_weight,
                     tied,
                 )
+                return fastest_plan(problem, target)
             return _plan(kept, chosen, list(layers), names, blocks, target, errors)
 
         if bound == "kept":
@@ -233,7 +268,8 @@ def fit_budget(
         else:
             plan = _within_peak(plan_for, peak, budget_bytes)
         chosen.clear()  # each Q-layer's bytes at each level, as measured (more forwards
-        tables = [kept(dict.fromkeys(layers, name))[1] for name in names]  # only after recompute)
+        scoped.clear()  # only after recompute or scope choices)
+        tables = [kept(dict.fromkeys(layers, name))[1] for name in names]
     rank = {name: i for i, name in enumerate(names)}
     by_layer = {
         n: {name: t.get(n, 0) for name, t in zip(names, tables, strict=True)} for n in layers
@@ -244,12 +280,40 @@ def fit_budget(
         extra["layer_error"] = {
             n: {name: errors[i][n] * scale for i, name in enumerate(names)} for n in layers
         }
-        extra["gradient_error"] = sum(errors[rank[lv]][n] for n, lv in plan.levels.items()) * scale
+        extra["gradient_error"] = scale * (
+            sum(errors[rank[lv]][n] for n, lv in plan.levels.items())
+            + sum((unit_errors or {}).get(u, 0.0) for u, on in plan.scope.items() if on)
+        )
     elif order == "error" and all_exact:
         extra["gradient_error"] = 0.0  # every Q-layer exact
+    if units and not plan.scope:  # planned by levels alone: measured with the scope exact
+        extra["scope"] = dict.fromkeys(units, False)
     plan = dataclasses.replace(plan, **extra)
     plan.apply(model)
     return plan
+
+
+def _scope_savings(
+    kept: Callable[[Mapping[str, str]], tuple[int, dict[str, int]]],
+    scoped: list[str],
+    exact: Mapping[str, str],
+    units: Sequence[str],
+    regions: Sequence[str],
+    layers: Mapping[str, QLayer],
+) -> dict[str, int]:
+    """The bytes the scope saves in each unit (every Q-layer exact): the key by which the
+    error a run of units adds is split among them."""
+    off = kept(exact)[1]
+    scoped[:] = units
+    on = kept(exact)[1]
+    scoped.clear()
+
+    def held(table: Mapping[str, int], unit: str) -> int:
+        if unit:
+            return sum(v for k, v in table.items() if k not in layers and inside(k, [unit]))
+        return sum(v for k, v in table.items() if k not in layers and not inside(k, regions))
+
+    return {u: max(0, held(off, u) - held(on, u)) for u in units}
 
 
 def _within_peak(
@@ -374,16 +438,28 @@ def _plan(
     return MemoryPlan(budget, levels, used, exact, smallest, recompute=tuple(chosen))
 
 
-def planned_layers(model: nn.Module, levels: Sequence[str]) -> tuple[list[str], dict[str, QLayer]]:
+def planned_layers(
+    model: nn.Module, levels: Sequence[str], scope: bool = False
+) -> tuple[list[str], dict[str, QLayer]]:
     """The candidate level names (checked) and the Q-layers of ``model``, converted at the
-    finest level first where it is not converted yet."""
+    finest level first where it is not converted yet. With ``scope`` (order ``"time"``),
+    a model converted at a level of fixed bits that compresses keeps its scope, which the
+    plan switches per block, and an unconverted one is converted at the coarsest such
+    candidate (:func:`scope_level`)."""
     specs = [level_spec(level) for level in levels]  # ValueError naming an unknown level
     if not specs:
         raise ValueError("a memory plan needs at least one candidate level")
     names = [spec.name for spec in specs]
     report = getattr(model, "act_report", None)
     if report is None:
-        convert(model, level=names[0])
+        convert(model, level=scope_level(names) if scope else names[0])
+    elif scope and report.level != names[0] and level_spec(report.level).packs:
+        if level_spec(report.level).adaptive:
+            raise ValueError(
+                f"a memory plan switches the scope of a model converted at a level of fixed "
+                f"bits; this one was converted at {report.level!r}, whose adaptive bits change "
+                "what it keeps from step to step: convert it at 'L2' (or 'L1') first"
+            )
     elif report.level != names[0]:
         raise ValueError(
             f"a memory plan is made for a model converted at its finest level {names[0]!r}; "
@@ -394,6 +470,13 @@ def planned_layers(model: nn.Module, levels: Sequence[str]) -> tuple[list[str], 
     if not layers:
         raise ValueError(f"{type(model).__name__} has no layer actcore can convert to plan")
     return names, layers
+
+
+def scope_level(names: Sequence[str]) -> str:
+    """The level at which order ``"time"`` converts a model for its scope: the coarsest
+    candidate of fixed bits that compresses (``L2`` of the defaults), else the finest."""
+    fixed = [n for n in names if level_spec(n).compresses and not level_spec(n).adaptive]
+    return fixed[-1] if fixed else names[0]
 
 
 def measure(

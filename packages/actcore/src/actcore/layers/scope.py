@@ -47,6 +47,8 @@ __all__ = [
     "compiled_row_norm_bits",
     "detach_scope",
     "hook_bits",
+    "scope_exact",
+    "set_scope_exact",
 ]
 
 _ACTIVE = threading.local()  # .stack: the scopes entered on this thread, innermost last
@@ -177,6 +179,42 @@ def _excluded_post(module: nn.Module, args: Any, output: Any) -> None:
     held = module.__dict__.get("_act_suspended")
     if held:
         held.pop().saved_tensor_hooks.resume()
+
+
+_EXACT = "act_scope_exact"
+
+
+def set_scope_exact(module: nn.Module, exact: bool | None) -> None:
+    """Inside ``module``'s forward, the model scope keeps what is saved as it is (``True``)
+    or compresses it (``False``), whatever the modules around it say; ``None`` (the
+    default): as they say. A memory plan's per-block choice; Q-layers keep their own
+    levels either way."""
+    if exact is None:
+        module.__dict__.pop(_EXACT, None)
+        _remove_hooks(module, (_exact_pre, _exact_post))
+        return
+    module.__dict__[_EXACT] = bool(exact)
+    if not _has_hook(module._forward_pre_hooks, _exact_pre):
+        module.register_forward_pre_hook(_exact_pre)
+        module.register_forward_hook(_exact_post, always_call=True)
+
+
+def scope_exact(module: nn.Module) -> bool | None:
+    """What :func:`set_scope_exact` set on ``module`` (None: nothing)."""
+    return module.__dict__.get(_EXACT)
+
+
+def _exact_pre(module: nn.Module, args: Any) -> None:
+    scope = _innermost()
+    if scope is not None and _EXACT in module.__dict__:
+        scope.saved_tensor_hooks.push_exact(module.__dict__[_EXACT])
+        module.__dict__.setdefault("_act_exact_pushed", []).append(scope)
+
+
+def _exact_post(module: nn.Module, args: Any, output: Any) -> None:
+    held = module.__dict__.get("_act_exact_pushed")
+    if held:
+        held.pop().saved_tensor_hooks.pop_exact()
 
 
 def _has_hook(hooks: dict, fn: Any) -> bool:

@@ -185,6 +185,7 @@ class SavedTensorHooks:
         if getattr(self._local, "hooks", None) is not None:
             raise RuntimeError("these saved-tensor hooks are already active")
         self._local.enclosing = self._enclosing()
+        self._local.exact_states = []  # (a push left by a forward that raised is dropped)
         self._keys.restart_outside()
         if compiled.inlining_supported():
             # fx graphs: inlined into what torch.compile compiles, eager saves call self.pack
@@ -279,8 +280,25 @@ class SavedTensorHooks:
     def resume(self) -> None:
         self._local.suspended = max(0, getattr(self._local, "suspended", 0) - 1)
 
+    def push_exact(self, exact: bool) -> None:
+        """From now on (on this thread) keep what is saved as it is (``exact``) or compress
+        it, until the matching :meth:`pop_exact`: the innermost push holds (a memory plan's
+        choice for one block inside another's). :meth:`suspend` overrides it."""
+        states = getattr(self._local, "exact_states", None)
+        if states is None:
+            states = self._local.exact_states = []
+        states.append(bool(exact))
+
+    def pop_exact(self) -> None:
+        states = getattr(self._local, "exact_states", None)
+        if states:
+            states.pop()
+
     def suspended(self) -> bool:
-        return getattr(self._local, "suspended", 0) > 0
+        if getattr(self._local, "suspended", 0) > 0:
+            return True
+        states = getattr(self._local, "exact_states", None)
+        return bool(states) and states[-1]
 
     # ---- hooks ------------------------------------------------------------------------------
 
