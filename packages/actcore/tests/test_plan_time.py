@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
+from gated_net import Gated
 from torch import nn
 
 import actcore
@@ -214,21 +215,10 @@ def test_the_smallest_budget_is_named_when_none_fits():
     assert dataclasses.replace(plan).smallest_bytes == plan.smallest_bytes
 
 
-class _Gated(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, b = self.up(x).chunk(2, dim=-1)
-        return x + self.down(torch.tanh(a) * torch.sigmoid(b))  # the scope's saves
-
-
 def _gated_net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(32, 64), nn.Sequential(*(_Gated(64) for _ in range(3))), nn.Linear(64, 8)
+        nn.Linear(32, 64), nn.Sequential(*(Gated(64) for _ in range(3))), nn.Linear(64, 8)
     )
 
 

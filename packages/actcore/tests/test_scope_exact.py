@@ -8,6 +8,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from gated_net import Gated
 from torch import nn
 
 import actcore
@@ -16,20 +17,9 @@ from actcore.layers.scope import scope_exact, set_scope_exact
 from actcore.memory import track
 
 
-class _Gated(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, b = self.up(x).chunk(2, dim=-1)
-        return x + self.down(torch.tanh(a) * torch.sigmoid(b))  # functional saves: the scope's
-
-
 def _net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.Sequential(*(_Gated(64) for _ in range(3))))
+    return nn.Sequential(nn.Linear(32, 64), nn.Sequential(*(Gated(64) for _ in range(3))))
 
 
 _X = torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(1))
