@@ -40,10 +40,14 @@ bytes kept, its step measured, and searched again with the excess taken off.
 activations fit a budget at the least any plan keeps (doubling, then a bisection), and
 plan it.
 
-This is a slice of the budget planner: Q-layer levels and block recompute (offload and
-per-tensor choices are not planned yet), ordered by bytes saved per gradient error (no
-time model yet: recompute comes only after the coarsest level). The plan stays
-on the model and :mod:`actcore.resume` saves and restores it.
+``order="time"`` (:mod:`.fastest`) chooses the levels, the recomputed blocks and, per
+block, whether the model scope compresses what no Q-layer saves, all together: a knapsack
+(:mod:`.knapsack`) over the step time each choice adds (:mod:`.costs`, measured) and the
+gradient error it adds (:mod:`.errors`), weighted by ``error_weight``; recompute is then
+one choice among the others.
+
+This is a slice of the budget planner: offload and per-tensor choices are not planned yet.
+The plan stays on the model and :mod:`actcore.resume` saves and restores it.
 """
 
 from __future__ import annotations
