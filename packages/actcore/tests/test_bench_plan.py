@@ -30,3 +30,24 @@ def test_bench_plan_refuses_bad_options(capsys):
     assert run_cli(["bench", "plan", "--model", "resnet5"]) == 2
     assert run_cli(["bench", "plan", "--model", "tiny-cnn", "--below", "-1"]) == 2
     assert "--below" in capsys.readouterr().err
+
+
+def test_bench_plan_time_order_beside_checkpointing_alone_with_its_frontier_plot(tmp_path):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    args = ["bench", "plan", "--model", "resnet18", "--batch", "2", "--image-size", "32"]
+    args += ["--budgets", "3", "--below", "1", "--steps", "1", "--order", "time", "--quiet"]
+    args += ["--threads", "1", "--json", str(out), "--png", str(png)]
+    assert run_cli(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    planned = [r for r in rows if "error" not in r]
+    assert len(planned) >= 3
+    assert planned[0]["predicted_vs_exact"] is None  # exact: nothing was planned or timed
+    for row in planned:
+        assert row["order"] == "time" and row["kept_bytes"] <= row["budget"]
+        assert row["scope_on"] is not None
+        assert row is planned[0] or row["predicted_vs_exact"] >= 1.0
+        if "ckpt_ms" in row:  # checkpointing alone fit this budget too
+            assert row["ckpt_kept_bytes"] <= row["budget"] and row["vs_ckpt"] > 0
+    assert planned[0]["ckpt_recomputed"] == 0  # the exact budget: nothing to recompute
+    assert any("ckpt_ms" not in r for r in planned)  # all-L3 bytes: beyond checkpointing
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

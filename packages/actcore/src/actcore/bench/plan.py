@@ -9,8 +9,13 @@ step (forward and backward, no optimizer; after one warm-up step) against the un
 model's, timed alternately with it, and the cosine of all parameter gradients against the
 unconverted model's on the same batch and random draws (seeded ``seed + 1``, which the
 planner's probe steps never use), and the planner's predicted relative squared gradient
-error. ``--order``: the planner's order (most bytes per gradient error, or most bytes).
-CPU or CUDA. No time model orders the plans yet.
+error. ``--order``: the planner's order (most bytes per gradient error, most bytes, or
+``time``: the fastest plan by measured costs, the model scope switched per block). Each
+row also plans checkpointing alone at the same budget (blocks recomputed, nothing
+compressed: ``fit_budget(levels=("L0",))``) and times its step in the same alternation:
+what it keeps and the plan's step against it (blank where checkpointing cannot fit).
+``--png``: the frontier, step time and gradient cosine against the bytes kept, for the
+plans and for checkpointing alone. CPU or CUDA.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,12 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import budget as act_budget
+from ..convert import convert as actcore_convert
 from . import report
 from .memory import positive_int, resolve_device, sync_device
 from .models import build_model, check_model, logits
 from .zoo import grad_cosine
 
-__all__ = ["COLUMNS", "PlanConfig", "main", "register", "run"]
+__all__ = ["COLUMNS", "PlanConfig", "figure", "main", "plot", "register", "run"]
 
 
 @dataclass
@@ -68,18 +75,18 @@ def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-def _paired_seconds(
-    model: nn.Module, plain: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int
-) -> tuple[float, float]:
-    """Median step seconds of ``model`` and of ``plain``, timed alternately (after one
-    warm-up step each), so that a machine's load weighs on both alike."""
-    _step(model, x, y)
-    _step(plain, x, y)
-    mine, theirs = [], []
+def _alternated_seconds(
+    models: list[nn.Module], x: torch.Tensor, y: torch.Tensor, steps: int
+) -> list[float]:
+    """Median step seconds of each model, timed in turn (after one warm-up step each), so
+    that a machine's load weighs on all alike."""
+    for model in models:
+        _step(model, x, y)
+    times: list[list[float]] = [[] for _ in models]
     for _ in range(steps):
-        mine.append(_step(model, x, y))
-        theirs.append(_step(plain, x, y))
-    return statistics.median(mine), statistics.median(theirs)
+        for model, seconds in zip(models, times, strict=True):
+            seconds.append(_step(model, x, y))
+    return [statistics.median(seconds) for seconds in times]
 
 
 def run(
@@ -98,11 +105,14 @@ def run(
     draw = cfg.seed + 1  # the gradients' random draws: not the planner's probes' (seed 0)
     reference = _grads(plain, x, y, draw)
     model = built.model.to(device)
+    ckpt = actcore_convert(copy.deepcopy(plain), level="L0")  # checkpointing alone
 
     def loss(m: nn.Module) -> torch.Tensor:  # what the planner's probe steps back up from
         return F.cross_entropy(logits(m(x)).float(), y)
 
-    top = act_budget.fit_budget(model, loss, 2**62, recompute=False, order="bytes")
+    # the exact and the all-L3 bytes (the time order converts at its scope's level first)
+    first = "time" if cfg.order == "time" else "bytes"
+    top = act_budget.fit_budget(model, loss, 2**62, recompute=False, order=first)
     span = top.exact_bytes - top.smallest_bytes
     budgets = [
         int(top.smallest_bytes + span * (1 - i / max(1, cfg.budgets - 1)))
@@ -117,26 +127,92 @@ def run(
             rows.append({**row, "error": str(e)})
             advance(1)
             break
+        try:
+            alone = act_budget.fit_budget(ckpt, loss, budget, levels=("L0",), order="bytes")
+        except ValueError:
+            alone = None
         counts: dict[str, int] = {}
         for level in plan.levels.values():
             counts[level] = counts.get(level, 0) + 1
         grads = _grads(model, x, y, draw)
-        seconds, plain_seconds = _paired_seconds(model, plain, x, y, cfg.steps)
-        rows.append(
-            {
-                **row,
-                "kept_bytes": plan.kept_bytes,
-                "used": plan.kept_bytes / budget,
-                "levels": ", ".join(f"{n} {lv}" for lv, n in sorted(counts.items())),
-                "recomputed": len(plan.recompute),
-                "step_ms": seconds * 1e3,
-                "vs_plain": seconds / plain_seconds,
-                "grad_cosine": grad_cosine(grads, reference),
-                "order": plan.order,
-                "predicted_error": plan.gradient_error,
+        timed = [model, plain] + ([ckpt] if alone is not None else [])
+        seconds = _alternated_seconds(timed, x, y, cfg.steps)
+        row |= {
+            "kept_bytes": plan.kept_bytes,
+            "used": plan.kept_bytes / budget,
+            "levels": ", ".join(f"{n} {lv}" for lv, n in sorted(counts.items())),
+            "recomputed": len(plan.recompute),
+            "scope_on": sum(plan.scope.values()) if plan.scope else None,
+            "step_ms": seconds[0] * 1e3,
+            "vs_plain": seconds[0] / seconds[1],
+            "predicted_vs_exact": (
+                plan.step_seconds / plan.exact_seconds
+                if plan.step_seconds is not None and plan.exact_seconds
+                else None
+            ),
+            "grad_cosine": grad_cosine(grads, reference),
+            "order": plan.order,
+            "predicted_error": plan.gradient_error,
+        }
+        if alone is not None:
+            row |= {
+                "ckpt_kept_bytes": alone.kept_bytes,
+                "ckpt_recomputed": len(alone.recompute),
+                "ckpt_ms": seconds[2] * 1e3,
+                "vs_ckpt": seconds[0] / seconds[2],
             }
-        )
+        rows.append(row)
         advance(1)
+
+
+def figure(cfg: PlanConfig, rows: list[dict[str, Any]]) -> Any:
+    """A matplotlib Figure: step time against plain and gradient cosine, each against the
+    bytes kept, for the plans and for checkpointing alone at the same budgets."""
+    Figure = report.optional_import("matplotlib.figure").Figure
+    planned = [r for r in rows if "error" not in r]
+    alone = [r for r in planned if "ckpt_ms" in r]
+    fig = Figure(figsize=(10, 4.2), dpi=120)
+    time_ax, cosine_ax = fig.subplots(1, 2)
+    mib = 2**20
+    time_ax.plot(
+        [r["kept_bytes"] / mib for r in planned],
+        [r["vs_plain"] for r in planned],
+        marker="o",
+        label=f"ACT plan (order {cfg.order})",
+    )
+    time_ax.plot(
+        [r["ckpt_kept_bytes"] / mib for r in alone],
+        [r["vs_plain"] * r["ckpt_ms"] / r["step_ms"] for r in alone],
+        marker="s",
+        label="checkpointing alone",
+    )
+    time_ax.set_xlabel("kept for backward (MiB)")
+    time_ax.set_ylabel("step time / plain step")
+    cosine_ax.plot(
+        [r["kept_bytes"] / mib for r in planned],
+        [r["grad_cosine"] for r in planned],
+        marker="o",
+        label=f"ACT plan (order {cfg.order})",
+    )
+    cosine_ax.axhline(1.0, color="grey", linestyle=":", label="checkpointing alone (exact)")
+    cosine_ax.set_xlabel("kept for backward (MiB)")
+    cosine_ax.set_ylabel("gradient cosine to plain")
+    for ax in (time_ax, cosine_ax):
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    device = resolve_device(cfg.device)
+    fig.suptitle(f"memory plans: {cfg.model}, batch {cfg.batch}, {device}")
+    fig.tight_layout()
+    return fig
+
+
+def plot(cfg: PlanConfig, rows: list[dict[str, Any]], path: str | Path) -> Path:
+    """Save :func:`figure` as a PNG at ``path``."""
+    path = Path(path)
+    fig = figure(cfg, rows)
+    with report.atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    return path
 
 
 COLUMNS = [
@@ -145,8 +221,12 @@ COLUMNS = [
     report.Column("used", "used", lambda v: "" if v is None else f"{100 * v:.1f}%"),
     report.Column("levels", "Q-layers", justify="left"),
     report.Column("recomputed", "recomputed"),
+    report.Column("scope_on", "scope on"),
     report.Column("step_ms", "step ms", report.fmt_float(1)),
     report.Column("vs_plain", "vs plain", report.fmt_float(2, "x")),
+    report.Column("predicted_vs_exact", "pred. vs exact", report.fmt_float(2, "x")),
+    report.Column("ckpt_kept_bytes", "ckpt kept", report.fmt_bytes),
+    report.Column("vs_ckpt", "vs ckpt", report.fmt_float(2, "x")),
     report.Column("grad_cosine", "grad cosine", report.fmt_float(4)),
     report.Column("predicted_error", "pred. error", lambda v: "" if v is None else f"{v:.2e}"),
     report.Column("error", "", lambda v: "no plan fits (the JSON says why)", justify="left"),
@@ -173,8 +253,10 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
         "--order",
         choices=act_budget.ORDERS,
         default="error",
-        help="which layers go coarser first: most bytes per gradient error, or most bytes",
+        help="which layers go coarser first: most bytes per gradient error, or most bytes; "
+        "or time: the fastest plan by measured costs",
     )
+    p.add_argument("--png", default=None, help="plot the frontier to this PNG")
     common(p)
     p.set_defaults(func=main, validate=_validate)
 
@@ -188,11 +270,18 @@ def _validate(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg = report.config_from_args(PlanConfig, args)
     title = f"memory plans: {cfg.model}, batch {cfg.batch}, {cfg.device}"
+
+    def show(rows: list[dict[str, Any]]) -> None:
+        report.console().print(report.table(title, COLUMNS, rows))
+        if rows and args.png:
+            path = plot(cfg, rows, args.png)
+            report.console(stderr=True).print(f"wrote {path}")
+
     return report.run_with_progress(
         "plan",
         args,
         cfg.budgets + cfg.below,
         lambda rows, advance: run(cfg, rows, advance),
-        config=asdict(cfg),
-        show=lambda rows: report.console().print(report.table(title, COLUMNS, rows)),
+        config=asdict(cfg) | {"png": args.png},
+        show=show,
     )
