@@ -75,11 +75,12 @@ def test_the_time_model_reproduces_the_steps_it_was_measured_on():
     layers, blocks = _layers(model), candidate_blocks(model)
     times = step_times(model, layers, _loss, LEVELS, blocks, rounds=2)
     assert len(times.uniform) == len(LEVELS) and times.recomputed is not None
-    for i, seconds in enumerate(times.uniform):
-        predicted = times.predict(dict.fromkeys(layers, i), [])
-        assert predicted == pytest.approx(max(seconds, times.exact), rel=1e-9)
+    assert times.predict(dict.fromkeys(layers, 0), []) == times.exact
+    for i, seconds in enumerate(times.uniform):  # at least the measured step (more only
+        predicted = times.predict(dict.fromkeys(layers, i), [])  # where it measured less
+        assert predicted >= seconds - 1e-12  # than the layers' longer forwards: noise)
     every = times.predict(dict.fromkeys(layers, 0), blocks)
-    assert every == pytest.approx(max(times.recomputed, times.exact), rel=1e-9)
+    assert every >= times.recomputed - 1e-12
     assert all(v >= 0 for table in times.layer for v in table.values())
     assert all(v >= 0 for v in times.block.values())
     # the measuring left the model as it was: exact, nothing recomputed, no hooks

@@ -40,7 +40,7 @@ from .memory import positive_int, resolve_device, sync_device
 from .models import build_model, check_model, logits
 from .zoo import grad_cosine
 
-__all__ = ["COLUMNS", "PlanConfig", "figure", "main", "plot", "register", "run"]
+__all__ = ["COLUMNS", "PlanConfig", "figure", "main", "plot", "register", "run", "sweep_budgets"]
 
 
 @dataclass
@@ -58,34 +58,37 @@ class PlanConfig:
     order: str = "error"
 
 
-def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int) -> list[Any]:
+Loss = Callable[[nn.Module], torch.Tensor]
+
+
+def _grads(model: nn.Module, loss: Loss, seed: int) -> list[Any]:
     """Every parameter's gradient after one seeded step (None where it has none)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    F.cross_entropy(logits(model(x)).float(), y).backward()
+    loss(model).backward()
     return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
-def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    sync_device(x.device)
+def _step(model: nn.Module, loss: Loss, device: torch.device) -> float:
+    sync_device(device)
     t0 = time.perf_counter()
     model.zero_grad(set_to_none=True)
-    F.cross_entropy(logits(model(x)).float(), y).backward()
-    sync_device(x.device)
+    loss(model).backward()
+    sync_device(device)
     return time.perf_counter() - t0
 
 
 def _alternated_seconds(
-    models: list[nn.Module], x: torch.Tensor, y: torch.Tensor, steps: int
+    models: list[nn.Module], loss: Loss, device: torch.device, steps: int
 ) -> list[float]:
     """Median step seconds of each model, timed in turn (after one warm-up step each), so
     that a machine's load weighs on all alike."""
     for model in models:
-        _step(model, x, y)
+        _step(model, loss, device)
     times: list[list[float]] = [[] for _ in models]
     for _ in range(steps):
         for model, seconds in zip(models, times, strict=True):
-            seconds.append(_step(model, x, y))
+            seconds.append(_step(model, loss, device))
     return [statistics.median(seconds) for seconds in times]
 
 
@@ -102,29 +105,64 @@ def run(
     x = torch.randn(cfg.batch, *built.input_shape, generator=g).to(device)
     y = torch.randint(0, built.num_classes, (cfg.batch,), generator=g).to(device)
     plain = copy.deepcopy(built.model).to(device)
-    draw = cfg.seed + 1  # the gradients' random draws: not the planner's probes' (seed 0)
-    reference = _grads(plain, x, y, draw)
-    model = built.model.to(device)
     ckpt = actcore_convert(copy.deepcopy(plain), level="L0")  # checkpointing alone
 
     def loss(m: nn.Module) -> torch.Tensor:  # what the planner's probe steps back up from
         return F.cross_entropy(logits(m(x)).float(), y)
 
+    sweep_budgets(
+        built.model.to(device),
+        plain,
+        ckpt,
+        loss,
+        rows,
+        budgets=cfg.budgets,
+        below=cfg.below,
+        steps=cfg.steps,
+        order=cfg.order,
+        draw=cfg.seed + 1,  # the gradients' random draws: not the planner's probes' (seed 0)
+        row={"model": cfg.model, "batch": cfg.batch},
+        advance=advance,
+    )
+
+
+def sweep_budgets(
+    model: nn.Module,
+    plain: nn.Module,
+    ckpt: nn.Module,
+    loss: Loss,
+    rows: list[dict[str, Any]],
+    *,
+    budgets: int,
+    below: int,
+    steps: int,
+    order: str,
+    draw: int,
+    row: dict[str, Any],
+    advance: Callable[..., None] = lambda *a, **k: None,
+) -> None:
+    """Plan ``model`` (unconverted, or converted as ``order`` needs) at ``budgets`` budgets
+    from exact to the all-L3 bytes and ``below`` more under them, each beside checkpointing
+    alone (``ckpt``: a copy converted at L0) and timed with ``plain``; one row each in
+    ``rows`` (``row``'s fields first), the last a budget no plan fits where one is reached.
+    ``loss(model)``: a training step's loss; ``draw``: the seed of the gradients compared."""
+    params = [p for p in plain.parameters()]
+    device = params[0].device if params else torch.device("cpu")
+    reference = _grads(plain, loss, draw)
     # the exact and the all-L3 bytes (the time order converts at its scope's level first)
-    first = "time" if cfg.order == "time" else "bytes"
+    first = "time" if order == "time" else "bytes"
     top = act_budget.fit_budget(model, loss, 2**62, recompute=False, order=first)
     span = top.exact_bytes - top.smallest_bytes
-    budgets = [
-        int(top.smallest_bytes + span * (1 - i / max(1, cfg.budgets - 1)))
-        for i in range(cfg.budgets)
+    targets = [
+        int(top.smallest_bytes + span * (1 - i / max(1, budgets - 1))) for i in range(budgets)
     ]
-    budgets += [int(top.smallest_bytes * (1 - 0.1 * k)) for k in range(1, cfg.below + 1)]
-    for budget in budgets:
-        row: dict[str, Any] = {"model": cfg.model, "batch": cfg.batch, "budget": budget}
+    targets += [int(top.smallest_bytes * (1 - 0.1 * k)) for k in range(1, below + 1)]
+    for budget in targets:
+        out: dict[str, Any] = {**row, "budget": budget}
         try:
-            plan = act_budget.fit_budget(model, loss, budget, order=cfg.order)
+            plan = act_budget.fit_budget(model, loss, budget, order=order)
         except ValueError as e:
-            rows.append({**row, "error": str(e)})
+            rows.append({**out, "error": str(e)})
             advance(1)
             break
         try:
@@ -134,10 +172,10 @@ def run(
         counts: dict[str, int] = {}
         for level in plan.levels.values():
             counts[level] = counts.get(level, 0) + 1
-        grads = _grads(model, x, y, draw)
+        grads = _grads(model, loss, draw)
         timed = [model, plain] + ([ckpt] if alone is not None else [])
-        seconds = _alternated_seconds(timed, x, y, cfg.steps)
-        row |= {
+        seconds = _alternated_seconds(timed, loss, device, steps)
+        out |= {
             "kept_bytes": plan.kept_bytes,
             "used": plan.kept_bytes / budget,
             "levels": ", ".join(f"{n} {lv}" for lv, n in sorted(counts.items())),
@@ -150,27 +188,29 @@ def run(
                 if plan.step_seconds is not None and plan.exact_seconds
                 else None
             ),
+            "predicted_bytes": plan.predicted_bytes,
             "grad_cosine": grad_cosine(grads, reference),
             "order": plan.order,
             "predicted_error": plan.gradient_error,
         }
         if alone is not None:
-            row |= {
+            out |= {
                 "ckpt_kept_bytes": alone.kept_bytes,
                 "ckpt_recomputed": len(alone.recompute),
                 "ckpt_ms": seconds[2] * 1e3,
                 "vs_ckpt": seconds[0] / seconds[2],
             }
-        rows.append(row)
+        rows.append(out)
         advance(1)
 
 
-def figure(cfg: PlanConfig, rows: list[dict[str, Any]]) -> Any:
+def figure(rows: list[dict[str, Any]], title: str) -> Any:
     """A matplotlib Figure: step time against plain and gradient cosine, each against the
     bytes kept, for the plans and for checkpointing alone at the same budgets."""
     Figure = report.optional_import("matplotlib.figure").Figure
     planned = [r for r in rows if "error" not in r]
     alone = [r for r in planned if "ckpt_ms" in r]
+    order = planned[0]["order"] if planned else "?"
     fig = Figure(figsize=(10, 4.2), dpi=120)
     time_ax, cosine_ax = fig.subplots(1, 2)
     mib = 2**20
@@ -178,7 +218,7 @@ def figure(cfg: PlanConfig, rows: list[dict[str, Any]]) -> Any:
         [r["kept_bytes"] / mib for r in planned],
         [r["vs_plain"] for r in planned],
         marker="o",
-        label=f"ACT plan (order {cfg.order})",
+        label=f"ACT plan (order {order})",
     )
     time_ax.plot(
         [r["ckpt_kept_bytes"] / mib for r in alone],
@@ -192,7 +232,7 @@ def figure(cfg: PlanConfig, rows: list[dict[str, Any]]) -> Any:
         [r["kept_bytes"] / mib for r in planned],
         [r["grad_cosine"] for r in planned],
         marker="o",
-        label=f"ACT plan (order {cfg.order})",
+        label=f"ACT plan (order {order})",
     )
     cosine_ax.axhline(1.0, color="grey", linestyle=":", label="checkpointing alone (exact)")
     cosine_ax.set_xlabel("kept for backward (MiB)")
@@ -200,16 +240,15 @@ def figure(cfg: PlanConfig, rows: list[dict[str, Any]]) -> Any:
     for ax in (time_ax, cosine_ax):
         ax.grid(True, alpha=0.3)
         ax.legend()
-    device = resolve_device(cfg.device)
-    fig.suptitle(f"memory plans: {cfg.model}, batch {cfg.batch}, {device}")
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
 
 
-def plot(cfg: PlanConfig, rows: list[dict[str, Any]], path: str | Path) -> Path:
+def plot(rows: list[dict[str, Any]], title: str, path: str | Path) -> Path:
     """Save :func:`figure` as a PNG at ``path``."""
     path = Path(path)
-    fig = figure(cfg, rows)
+    fig = figure(rows, title)
     with report.atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
     return path
@@ -274,7 +313,7 @@ def main(args: argparse.Namespace) -> int:
     def show(rows: list[dict[str, Any]]) -> None:
         report.console().print(report.table(title, COLUMNS, rows))
         if rows and args.png:
-            path = plot(cfg, rows, args.png)
+            path = plot(rows, title, args.png)
             report.console(stderr=True).print(f"wrote {path}")
 
     return report.run_with_progress(

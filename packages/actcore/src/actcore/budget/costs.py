@@ -7,9 +7,14 @@ after one untimed step each; the median of each is kept. During the same steps f
 hooks time each Q-layer's and each block's forward. A step's extra time at a level is
 split over the Q-layers in proportion to how much longer each one's forward took there
 (its packing: unpacking in backward follows the packing's size); recompute's, over the
-blocks in proportion to their exact forwards (what backward runs again). So the model is
-additive and reproduces the measured uniform steps exactly:
-``step(config) = exact + sum(layer[level of l][l]) + sum(block[b] for b recomputed)``.
+blocks in proportion to their exact forwards (what backward runs again); the model
+scope's, measured with it compressing in the rest of the model alone and then in the
+blocks alone, over the blocks by how much longer their forwards took. No share is less
+than what was measured of it directly (a longer forward; a block's forward, which a
+recompute runs again), so on a noisy machine a step measured faster than that counts as
+that. The model is additive, and reproduces the measured uniform steps:
+``step(config) = exact + sum(layer[level of l][l]) + sum(block[b] for b recomputed)
++ sum(scope[u] for u compressing)``.
 
 On CUDA the hooks record events and each step ends with a synchronisation; elsewhere they
 read ``time.perf_counter``. The times are kept per model, candidate levels, Q-layers,
@@ -80,8 +85,10 @@ def step_times(
     those of ``on``, exact in the others), ``""`` for what no other unit holds: two more
     configurations, the scope on in ``""`` alone (its extra time is that unit's), and on in
     every other unit (its extra time split over them by how much longer their forwards
-    took). Leaves the Q-layers at ``names[0]``, no block recomputed, the scope exact, and
-    each parameter's ``.grad`` as it was."""
+    took). Each share is at least what was measured of it directly: a layer's, or the
+    scope's, longer forward; a block's forward, which recompute runs again. Leaves the
+    Q-layers at ``names[0]``, no block recomputed, the scope exact, and each parameter's
+    ``.grad`` as it was."""
     units = list(units) if set_scope is not None else []
     watched = {
         **layers,
@@ -149,7 +156,9 @@ def step_times(
     scoped = None
     if units:
         rest = statistics.median(steps[(names[0], False, "rest")])
-        scope = {"": max(0.0, rest - exact)} if "" in units else {}
+        if "" in units:
+            fwd = medians((names[0], False, "rest"))
+            scope[""] = max(0.0, rest - exact, fwd[""] - exact_fwd[""])
         scoped = exact + scope.get("", 0.0)
         if inner:
             seconds = statistics.median(steps[(names[0], False, "blocks")])
@@ -157,15 +166,16 @@ def step_times(
             scope.update(
                 _split(seconds - exact, {u: max(0.0, fwd[u] - exact_fwd[u]) for u in inner})
             )
-            scoped += max(0.0, seconds - exact)
+            scoped += sum(scope[u] for u in inner)
     return StepTimes(exact, layer, block, uniform, recomputed, scope, scoped)
 
 
 def _split(extra: float, weights: Mapping[str, float]) -> dict[str, float]:
-    """``extra`` seconds (none when negative: within the noise) split in proportion to
-    ``weights`` (evenly where they are all zero)."""
-    extra = max(0.0, extra)
+    """``extra`` seconds split in proportion to ``weights`` (evenly where they are all zero):
+    the forwards' extra seconds, each at least its own weight, where the step's measured
+    less (within the noise: a recompute takes at least its block's forward again)."""
     total = sum(weights.values())
+    extra = max(0.0, extra, total)
     if total <= 0:
         return {n: extra / len(weights) for n in weights} if weights else {}
     return {n: extra * w / total for n, w in weights.items()}
