@@ -281,6 +281,9 @@ def test_the_scope_is_switched_on_where_it_costs_less_than_recompute(monkeypatch
     plan = fit_budget(model, _gated_loss, budget, order="time", error_weight=0.0)
     assert plan.kept_bytes <= budget and plan.kept_bytes == _kept_by(model, _gated_loss)
     assert set(plan.levels.values()) == {"L0"}  # the Q-layers' levels cost most here
+    lines = plan.table().splitlines()
+    assert sum("scope on" in line for line in lines) == sum(plan.scope.values())
+    assert sum("scope on" in ln or "scope exact" in ln for ln in lines) == len(plan.scope) == 4
     if scope_is_cheap:
         assert any(plan.scope.values()) and not plan.recompute
     else:
@@ -299,3 +302,30 @@ def test_a_model_converted_at_an_adaptive_level_is_refused_for_the_time_order():
     model = actcore.convert(_gated_net(), level="L3")
     with pytest.raises(ValueError, match="adaptive bits"):
         fit_budget(model, _gated_loss, "50%", order="time")
+
+
+def test_where_lowering_by_the_excess_does_not_settle_the_cheapest_fitting_target_is_found():
+    """Bytes that do not add up (layer a at L3 with b exact keeps 1000 bytes more than the
+    tables say): the first solution overshoots past every target, and a bisection over the
+    target finds the cheapest solution that fits, not the lightest configuration."""
+    from actcore.budget.fastest import Problem, fastest_plan
+
+    bytes_at = {"L0": 100, "L3": 10}
+
+    def kept(config):
+        by_module = {n: bytes_at[lv] for n, lv in config.items()}
+        total = sum(by_module.values())
+        if config["a"] == "L3" and config["b"] == "L0":
+            total += 1000
+        return total, by_module
+
+    times = StepTimes(
+        1.0, [dict.fromkeys("abc", 0.0), {"a": 1.0, "b": 5.0, "c": 6.0}], {}, [1.0, 1.0], None
+    )
+    problem = Problem(
+        kept, [], [], ["a", "b", "c"], ["L0", "L3"], [], [], [], times, None, None, 0.0, 0.0
+    )
+    plan = fastest_plan(problem, 215)
+    assert plan.kept_bytes <= 215 and plan.predicted_bytes == plan.kept_bytes == 120
+    assert plan.levels == {"a": "L3", "b": "L3", "c": "L0"}  # cost 6; the lightest costs 12
+    assert plan.smallest_bytes == 30

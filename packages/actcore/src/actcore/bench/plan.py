@@ -1,9 +1,9 @@
 """``actcore bench plan``: memory plans across budgets, each with what it keeps, its step
 time and its gradient against the exact model's.
 
-Budgets run from what every Q-layer at L0 keeps down to what every one at L3 keeps, then
-``--below`` more in 10% steps under that, where the plan recomputes blocks, until none
-fits. For each, :func:`actcore.fit_budget` plans the model; the row gives what the plan
+Budgets run from what every Q-layer at L0 keeps down to what every one at L3 keeps (with
+``--order time``, down to the least any of its plans keeps), then ``--below`` more in 10%
+steps under that, where the plan recomputes blocks, until none fits. For each, :func:`actcore.fit_budget` plans the model; the row gives what the plan
 keeps (ACT's tracker), its levels and recomputed blocks, the median time of a training
 step (forward and backward, no optimizer; after one warm-up step) against the unconverted
 model's, timed alternately with it, and the cosine of all parameter gradients against the
@@ -142,7 +142,8 @@ def sweep_budgets(
     advance: Callable[..., None] = lambda *a, **k: None,
 ) -> None:
     """Plan ``model`` (unconverted, or converted as ``order`` needs) at ``budgets`` budgets
-    from exact to the all-L3 bytes and ``below`` more under them, each beside checkpointing
+    from exact to the all-L3 bytes (order ``"time"``: to the least any of its plans keeps)
+    and ``below`` more under them, each beside checkpointing
     alone (``ckpt``: a copy converted at L0) and timed with ``plain``; one row each in
     ``rows`` (``row``'s fields first), the last a budget no plan fits where one is reached.
     ``loss(model)``: a training step's loss; ``draw``: the seed of the gradients compared."""
@@ -152,11 +153,12 @@ def sweep_budgets(
     # the exact and the all-L3 bytes (the time order converts at its scope's level first)
     first = "time" if order == "time" else "bytes"
     top = act_budget.fit_budget(model, loss, 2**62, recompute=False, order=first)
-    span = top.exact_bytes - top.smallest_bytes
-    targets = [
-        int(top.smallest_bytes + span * (1 - i / max(1, budgets - 1))) for i in range(budgets)
-    ]
-    targets += [int(top.smallest_bytes * (1 - 0.1 * k)) for k in range(1, below + 1)]
+    lowest = top.smallest_bytes
+    if order == "time":  # its least, recompute and the scope included, is known once planned
+        lowest = act_budget.fit_budget(model, loss, lowest, order="time").smallest_bytes
+    span = top.exact_bytes - lowest
+    targets = [int(lowest + span * (1 - i / max(1, budgets - 1))) for i in range(budgets)]
+    targets += [int(lowest * (1 - 0.1 * k)) for k in range(1, below + 1)]
     for budget in targets:
         out: dict[str, Any] = {**row, "budget": budget}
         try:

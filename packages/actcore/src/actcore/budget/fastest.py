@@ -8,7 +8,8 @@ unit of relative squared gradient error it adds (:mod:`.errors`): with the defau
 of 1, an error of 1% of the gradient's squared norm costs as much as 1% more step time.
 Bytes are not quite additive across modules, so the solution is measured; where it keeps
 more than the budget, it is solved again for a budget lowered by the excess (a few times
-at most), as the peak bound does.
+at most), as the peak bound does, and if that does not settle, the largest target whose
+solution fits is bisected for (a dozen more forwards at most).
 """
 
 from __future__ import annotations
@@ -163,16 +164,41 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
             **extra,
         )
 
-    target = budget
-    for _ in range(_TRIES):
-        solution = solve([block for _, _, block in parts], target) if target >= 0 else None
+    blocks_only = [block for _, _, block in parts]
+
+    def attempt(target: int) -> tuple[Any, int, int] | None:
+        """(configuration, bytes measured, bytes predicted) of the solution for ``target``."""
+        solution = solve(blocks_only, target) if target >= 0 else None
         if solution is None:
-            break
+            return None
         config = configuration(solution.chosen)
-        used = measured(*config)[0]
+        return config, measured(*config)[0], solution.bytes
+
+    target, failed = budget, budget + 1
+    for _ in range(_TRIES):  # lower the target by what the last solution kept too much
+        found = attempt(target)
+        if found is None:
+            break
+        config, used, predicted = found
         if used <= budget:
-            return planned_as(config, used, predicted_bytes=solution.bytes)
+            return planned_as(config, used, predicted_bytes=predicted)
+        failed = target
         target = min(target - 1, target - (used - budget))
+    # the excess did not settle: bisect the target between nothing and the last that failed
+    # (a solution's cost never falls as the target does: the largest that fits is cheapest)
+    best, low, high = None, -1, failed
+    while high - low > max(1, budget // 1024):
+        mid = (low + high) // 2
+        found = attempt(mid)
+        if found is not None and found[1] > budget:
+            high = mid
+            continue
+        low = mid
+        if found is not None:
+            best = found
+    if best is not None:
+        config, used, predicted = best
+        return planned_as(config, used, predicted_bytes=predicted)
     if smallest <= budget:  # the lightest configuration fits where the solutions did not
         return planned_as(least, smallest)
     how = f"{len(least[1])} of {len(p.recomputable)} blocks recomputed, the other Q-layers " + (

@@ -256,7 +256,8 @@ class MemoryPlan:
         squared gradient error relative to the gradient's (order ``"error"``), and why it
         is where it is. Layers go coarser in the order of the bytes they save per gradient
         error (or of the bytes alone) until the budget fits; those inside a recomputed
-        block stay exact."""
+        block stay exact. With order ``"time"`` on a model with a scope, one more line per
+        block (and one for the rest of the model) says whether the scope compresses there."""
         finest = next(iter(next(iter(self.layer_bytes.values()), {})), None)
         lines = [str(self), ""]
         header = ("Q-layer", "level", "kept", "exact", "saved", "error", "why")
@@ -290,6 +291,16 @@ class MemoryPlan:
                     why,
                 )
             )
+        for unit, on in self.scope.items():
+            block = next((b for b in self.recompute if unit == b), None)
+            why = (
+                f"recomputed with {block}"
+                if block is not None
+                else "its compression costs less step time and error than other ways to fit"
+                if on
+                else "the budget fits with it exact, or recompute costs less"
+            )
+            rows.append((unit or "(the rest)", "scope " + ("on" if on else "exact"), *"----", why))
         widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
         for row in (header, *rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
