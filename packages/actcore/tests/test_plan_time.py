@@ -329,3 +329,16 @@ def test_where_lowering_by_the_excess_does_not_settle_the_cheapest_fitting_targe
     assert plan.kept_bytes <= 215 and plan.predicted_bytes == plan.kept_bytes == 120
     assert plan.levels == {"a": "L3", "b": "L3", "c": "L0"}  # cost 6; the lightest costs 12
     assert plan.smallest_bytes == 30
+
+
+def test_max_batch_by_the_time_order_plans_the_size_it_finds():
+    model = _gated_net()
+
+    def inputs(batch: int):
+        t = torch.randn(batch, 16, 32, generator=torch.Generator().manual_seed(4))
+        return lambda m: m(t).square().mean()
+
+    size, plan = actcore.max_batch(model, inputs, "150KiB", order="time", limit=64)
+    assert model.act_report.level == "L2" and plan.order == "time"
+    assert 1 <= size < 64 and plan.kept_bytes <= 150 * 1024
+    assert plan.kept_bytes == _kept_by(model, inputs(size))

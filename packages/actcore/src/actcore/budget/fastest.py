@@ -140,10 +140,21 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
                 on.append(region)
         return {n: levels[n] for n in layers}, recomputed, [u for u in units if u in on]
 
+    # the least a plan keeps: the lightest by the tables, every Q-layer at the coarsest level
+    # with the scope on everywhere (layers and scope that pack alike share packings, which
+    # the tables, each measured with the others exact, do not see), or every block
+    # recomputed with the scope on (a recomputed block's input is then packed, which the
+    # knapsack's choices do not include yet)
     lightest = solve([_by_bytes(block) for _, _, block in parts], 2**62)  # cost = bytes
     assert lightest is not None
-    least = configuration(lightest.chosen)
-    smallest = measured(*least)[0]
+    candidates = [configuration(lightest.chosen)]
+    candidates.append((dict.fromkeys(layers, names[-1]), [], list(units)))
+    if p.recomputable:  # every block recomputed, its input packed by the scope around it
+        outer = {n: names[0] if inside(n, p.recomputable) else names[-1] for n in layers}
+        candidates.append((outer, list(p.recomputable), list(units)))
+    sizes = [measured(*c)[0] for c in candidates]
+    smallest = min(sizes)
+    least = candidates[sizes.index(smallest)]
 
     def planned_as(
         config: tuple[dict[str, str], list[str], list[str]], used: int, **extra: Any

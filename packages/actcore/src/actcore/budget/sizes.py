@@ -164,7 +164,7 @@ def _largest(
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     given = None if budget is None else parse_bytes(budget)
     limits: dict[int, int] = {}  # size -> its budget (the default: read once its inputs exist)
-    names, layers = planned_layers(model, levels)
+    names, layers = planned_layers(model, levels, scope=order == "time")
     blocks = allowed_blocks(model, recompute)
     # the least a size can keep: every Q-layer at the coarsest level, or (where recomputing
     # saves bytes: a recomputed block keeps its input exact) every allowed block recomputed
