@@ -1,8 +1,11 @@
-"""The plan of least cost within a budget (``order="time"``): each Q-layer's level and each
-block's recompute chosen together by a knapsack (:mod:`.knapsack`) over measured costs.
+"""The plan of least cost within a budget (``order="time"``): each Q-layer's level, each
+block's recompute and, per block and for the rest of the model, whether the model scope
+compresses what no Q-layer saves, chosen together by a knapsack (:mod:`.knapsack`) over
+measured costs.
 
-What each choice keeps is read from the same per-module tables as the other orders (every
-Q-layer at each level; every block recomputed, its Q-layers exact); what it costs is the
+What each choice keeps is read from per-module tables, each measured with the rest exact
+(every Q-layer at each level; every block recomputed, its Q-layers exact; the scope on
+everywhere); what it costs is the
 step time it adds (:mod:`.costs`) plus ``error_weight`` times the exact step's seconds per
 unit of relative squared gradient error it adds (:mod:`.errors`): with the default weight
 of 1, an error of 1% of the gradient's squared norm costs as much as 1% more step time.

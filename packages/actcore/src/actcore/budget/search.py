@@ -142,12 +142,18 @@ def fit_budget(
     with no backward pass; also what the error order falls back to where its exact probe
     step runs out of device memory (the plan's ``order`` says which was used). The plan
     records the predicted relative squared gradient error (``gradient_error``, error order
-    only). ``"time"``: the levels and the recomputed blocks together, those of least
-    predicted step time plus ``error_weight`` times the exact step's time per unit of
+    only). ``"time"``: the levels, the recomputed blocks and, per block and for the rest of
+    the model, whether the model scope compresses what no Q-layer saves, together: those of
+    least predicted step time plus ``error_weight`` times the exact step's time per unit of
     relative squared gradient error (:mod:`.fastest`: a knapsack over costs measured by
-    ``1 + levels`` timed steps, once more with every block recomputed, three rounds, and
-    the error probes; recompute is then a choice among the others, not only the way past
-    the coarsest level); the plan records its predicted step time (``step_seconds``).
+    timed steps, every Q-layer at each level, every block recomputed, the scope on in the
+    rest and in the blocks, three rounds each, and the error probes; recompute is then a
+    choice among the others, not only the way past the coarsest level); the plan records
+    its predicted step time (``step_seconds``) and the scope's choices (``scope``). The
+    scope is that of a model converted at a level of fixed bits that compresses, or of an
+    unconverted one converted at the coarsest such candidate (``L2``); where the exact
+    step runs out of device memory (no time can be measured), the error order plans it
+    with the scope exact.
 
     Raises ValueError when even the least a plan can keep (or, with ``bound="peak"``, the
     least plan's step) is more than ``budget``, naming that smallest budget and how it is
@@ -215,12 +221,10 @@ def fit_budget(
                     model, layers, example_inputs, forward, names, blocks, units, set_scope
                 )
             )
-            if times is None:  # the exact step does not fit the device: no time to model
-                raise ValueError(
-                    "order='time' times training steps of the model, and the exact step runs "
-                    "out of device memory: plan with order='error' or 'bytes'"
-                )
-            tied = shared_inputs(model, layers, forward)
+            if times is None:  # the exact step does not fit the device: no time to model,
+                order = "error"  # levels and recompute by gradient error, the scope exact
+            else:
+                tied = shared_inputs(model, layers, forward)
         weighted = order == "error" or (order == "time" and error_weight > 0)
         if weighted and (len(names) > 1 or units) and not all_exact:
             found = unless_out_of_memory(
