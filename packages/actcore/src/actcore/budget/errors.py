@@ -54,8 +54,7 @@ def layer_errors(
     params = [p for p in model.parameters() if p.requires_grad]
     held = [p.grad for p in params]
     order = list(layers)
-    runs = [order[i * len(order) // GROUPS : (i + 1) * len(order) // GROUPS] for i in range(GROUPS)]
-    runs = [run for run in runs if run]
+    runs = _runs(order)
     try:
         exact = _gradients(model, layers, forward, {}, names[0], params)
         norm = sum(float(g.double().square().sum()) for g in exact if g is not None)
@@ -66,10 +65,7 @@ def layer_errors(
                 grads = _gradients(
                     model, layers, forward, dict.fromkeys(run, level), names[0], params
                 )
-                error = _squared_distance(grads, exact)
-                total = sum(weights.get(n, 0) for n in run)
-                for n in run:
-                    table[n] = error * weights.get(n, 0) / total if total else error / len(run)
+                table.update(_shared(_squared_distance(grads, exact), run, weights))
             tables.append(table)
     finally:
         for m in layers.values():
@@ -95,24 +91,32 @@ def scope_errors(
     Leaves the scope exact everywhere and each parameter's ``.grad`` as it was."""
     params = [p for p in model.parameters() if p.requires_grad]
     held = [p.grad for p in params]
-    order = list(units)
-    runs = [order[i * len(order) // GROUPS : (i + 1) * len(order) // GROUPS] for i in range(GROUPS)]
     table: dict[str, float] = {}
     try:
         set_scope(())
         exact = _gradients(model, layers, forward, {}, exact_level, params)
-        for run in (r for r in runs if r):
+        for run in _runs(list(units)):
             set_scope(run)
             grads = _gradients(model, layers, forward, {}, exact_level, params)
-            error = _squared_distance(grads, exact)
-            total = sum(weights.get(u, 0) for u in run)
-            for u in run:
-                table[u] = error * weights.get(u, 0) / total if total else error / len(run)
+            table.update(_shared(_squared_distance(grads, exact), run, weights))
     finally:
         set_scope(())
         for p, grad in zip(params, held, strict=True):
             p.grad = grad
     return table
+
+
+def _runs(order: list[str]) -> list[list[str]]:
+    """``order`` cut into at most :data:`GROUPS` consecutive runs (none empty)."""
+    runs = [order[i * len(order) // GROUPS : (i + 1) * len(order) // GROUPS] for i in range(GROUPS)]
+    return [run for run in runs if run]
+
+
+def _shared(error: float, run: list[str], weights: Mapping[str, int]) -> dict[str, float]:
+    """A run's ``error`` split over its members in proportion to ``weights`` (evenly where
+    they are all zero)."""
+    total = sum(weights.get(n, 0) for n in run)
+    return {n: error * weights.get(n, 0) / total if total else error / len(run) for n in run}
 
 
 def _squared_distance(grads: list[torch.Tensor | None], exact: list[torch.Tensor | None]) -> float:

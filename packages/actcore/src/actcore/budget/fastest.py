@@ -17,7 +17,7 @@ solution fits is bisected for (a dozen more forwards at most).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,15 @@ from .costs import StepTimes
 from .knapsack import Block, Option, solve
 from .plan import MemoryPlan
 
-__all__ = ["RECOMPUTE", "SCOPE_EXACT", "SCOPE_ON", "Problem", "fastest_plan", "shared_inputs"]
+__all__ = [
+    "RECOMPUTE",
+    "SCOPE_EXACT",
+    "SCOPE_ON",
+    "Problem",
+    "fastest_plan",
+    "scope_bytes",
+    "shared_inputs",
+]
 
 RECOMPUTE = "recompute"
 """The choice of a block recomputed in backward."""
@@ -84,9 +92,8 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
     scope_on = measured(exact_levels, (), units)[1] if units else {}
     errors = p.errors
     price = p.error_weight * p.times.exact / p.norm if p.norm > 0 else 0.0
-    planned = set(layers)
-    others = {k: v for k, v in tables[0].items() if k not in planned}
-    others_on = {k: v for k, v in scope_on.items() if k not in planned}
+    held = scope_bytes(tables[0], layers, regions)  # the scope's saves, per unit: exact
+    held_on = scope_bytes(scope_on, layers, regions)  # ... and compressed
 
     def options(group: Sequence[str]) -> list[Option]:
         return [
@@ -99,12 +106,12 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
             for i, (name, table) in enumerate(zip(names, tables, strict=True))
         ]
 
-    def scope_choice(held_exact: int, held_on: int, unit: str) -> list[Option]:
-        exact = Option(held_exact, 0.0, SCOPE_EXACT)
+    def scope_choice(unit: str) -> list[Option]:
+        exact = Option(held[unit], 0.0, SCOPE_EXACT)
         if unit not in units:
             return [exact]
         error = price * (p.unit_errors or {}).get(unit, 0.0)
-        return [exact, Option(held_on, p.times.scope.get(unit, 0.0) + error, SCOPE_ON)]
+        return [exact, Option(held_on[unit], p.times.scope.get(unit, 0.0) + error, SCOPE_ON)]
 
     def under(table: Mapping[str, int], region: str) -> int:
         return sum(v for k, v in table.items() if inside(k, [region]))
@@ -112,9 +119,7 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
     parts: list[tuple[str | None, list[list[str]], Block]] = []
     for b in regions:
         members = [g for g in groups if inside(g[0], [b])]
-        rows = [options(g) for g in members] + [
-            scope_choice(under(others, b), under(others_on, b), b)
-        ]
+        rows = [options(g) for g in members] + [scope_choice(b)]
         whole = (
             Option(under(every, b), p.times.block.get(b, 0.0), RECOMPUTE)
             if b in p.recomputable
@@ -124,9 +129,7 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
     for g in groups:
         if not inside(g[0], regions):
             parts.append((None, [g], Block([options(g)])))
-    rest = {k: v for k, v in others.items() if not inside(k, regions)}
-    rest_on = {k: v for k, v in others_on.items() if not inside(k, regions)}
-    parts.append(("", [], Block([scope_choice(sum(rest.values()), sum(rest_on.values()), "")])))
+    parts.append(("", [], Block([scope_choice("")])))
 
     def configuration(picks: Sequence[object]) -> tuple[dict[str, str], list[str], list[str]]:
         levels: dict[str, str] = {}
@@ -225,6 +228,21 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
         f"{format_bytes(smallest)} ({smallest} bytes, {how}), the smallest budget that "
         f"fits; exact ({names[0]}) keeps {format_bytes(exact_bytes)}"
     )
+
+
+def scope_bytes(
+    table: Mapping[str, int], layers: Collection[str], regions: Sequence[str]
+) -> dict[str, int]:
+    """What the saves no Q-layer of ``layers`` made keep in ``table`` (bytes by module), per
+    region and, under ``""``, outside every region: the model scope's part of each unit."""
+    out = dict.fromkeys(["", *regions], 0)
+    for key, value in table.items():
+        if key in layers:
+            continue
+        homes = [b for b in regions if inside(key, [b])]
+        for home in homes or [""]:
+            out[home] += value
+    return out
 
 
 def shared_inputs(

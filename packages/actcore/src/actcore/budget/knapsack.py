@@ -45,8 +45,8 @@ class Block:
 
 @dataclass(frozen=True)
 class Solution:
-    """The option chosen per block: ``None`` where ``whole`` was taken, else one option per
-    member; and the totals of the chosen options' bytes and costs."""
+    """The option chosen per block: its ``whole`` option where that was taken, else one
+    option per member; and the totals of the chosen options' bytes and costs."""
 
     chosen: list[Option | list[Option]]
     bytes: int
@@ -76,10 +76,7 @@ def solve(blocks: Sequence[Block], capacity: int, resolution: int = RESOLUTION) 
         for i, (w, cost, _) in enumerate(front):
             if w > top:
                 break
-            candidate = total[: top + 1 - w] + cost
-            better = candidate < combined[w:]
-            combined[w:][better] = candidate[better]
-            pick[w:][better] = i
+            _relax(combined, pick, total, w, cost, i)
         steps.append((pick, [(w, how) for w, _, how in front]))
         total = combined
     if not np.isfinite(total).any():
@@ -96,6 +93,17 @@ def solve(blocks: Sequence[Block], capacity: int, resolution: int = RESOLUTION) 
     return Solution(chosen, used, cost)
 
 
+def _relax(
+    into: np.ndarray, pick: np.ndarray, base: np.ndarray, w: int, cost: float, index: int
+) -> None:
+    """One option of ``w`` units and ``cost`` added to every total of ``base``: where that
+    beats ``into`` (``into[c] > base[c - w] + cost``), take it and note ``index`` in ``pick``."""
+    candidate = base[: len(base) - w] + cost
+    better = candidate < into[w:]
+    into[w:][better] = candidate[better]
+    pick[w:][better] = index
+
+
 def _front(block: Block, top: int, units: Any) -> list[tuple[int, float, Any]]:
     """The block's points (weight in units, cost, how: the whole option or the members'
     options) that no lighter point matches in cost, lightest first."""
@@ -108,12 +116,8 @@ def _front(block: Block, top: int, units: Any) -> list[tuple[int, float, Any]]:
         pick = np.full(top + 1, -1, dtype=np.int32)
         for i, option in enumerate(options):
             w = units(option.bytes)
-            if w > top:
-                continue
-            candidate = best[: top + 1 - w] + option.cost
-            better = candidate < nxt[w:]
-            nxt[w:][better] = candidate[better]
-            pick[w:][better] = i
+            if w <= top:
+                _relax(nxt, pick, best, w, option.cost, i)
         picks.append(pick)
         best = nxt
     points: list[tuple[int, float, Any]] = []

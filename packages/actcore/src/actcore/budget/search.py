@@ -21,7 +21,7 @@ from ..memory import format_bytes, track
 from .checkpointing import candidate_blocks, inside, is_recomputed, set_recompute
 from .costs import cached_step_times
 from .errors import cached_layer_errors, cached_scope_errors
-from .fastest import Problem, fastest_plan, shared_inputs
+from .fastest import Problem, fastest_plan, scope_bytes, shared_inputs
 from .order import bytes_path, error_path, refine
 from .peak import step_peak
 from .plan import (
@@ -307,17 +307,11 @@ def _scope_savings(
 ) -> dict[str, int]:
     """The bytes the scope saves in each unit (every Q-layer exact): the key by which the
     error a run of units adds is split among them."""
-    off = kept(exact)[1]
+    off = scope_bytes(kept(exact)[1], layers, regions)
     scoped[:] = units
-    on = kept(exact)[1]
+    on = scope_bytes(kept(exact)[1], layers, regions)
     scoped.clear()
-
-    def held(table: Mapping[str, int], unit: str) -> int:
-        if unit:
-            return sum(v for k, v in table.items() if k not in layers and inside(k, [unit]))
-        return sum(v for k, v in table.items() if k not in layers and not inside(k, regions))
-
-    return {u: max(0, held(off, u) - held(on, u)) for u in units}
+    return {u: max(0, off[u] - on[u]) for u in units}
 
 
 def _within_peak(
