@@ -252,3 +252,41 @@ def test_max_batch_is_not_held_back_by_blocks_whose_recompute_keeps_more():
     model = make()
     size, plan = actcore.max_batch(model, rows, budget, limit=256)
     assert size == without >= 32 and plan.recompute == () and plan.kept_bytes <= budget
+
+
+class _Rotated(nn.Module):
+    """A decoder-like block: a tensor in a keyword argument and a pair in a positional one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, pair: tuple, *, scale: torch.Tensor) -> torch.Tensor:
+        return self.fc(x * pair[0] + pair[1]) * scale
+
+
+def test_tensors_a_recomputed_block_holds_by_reference_are_counted():
+    """The checkpoint saves only the top-level positional tensors; the others it keeps by
+    reference until backward: the tracker counts them as the profiler does."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_Rotated() for _ in range(2))
+    for b in blocks:
+        set_recompute(b, True)
+    inputs: list[torch.Tensor] = []
+
+    def forward() -> torch.Tensor:
+        # made inside, so that the profiler counts them as the tracker does
+        x, cos, sin, scale = (torch.randn(64, 8) for _ in range(4))
+        inputs.append(x.requires_grad_())
+        h = x
+        for b in blocks:
+            h = b(h, (cos, sin), scale=scale)
+        return h
+
+    with track(blocks) as report:
+        out = forward()
+    _, profiled = profiled_bytes(forward)
+    assert report.retained_bytes == profiled - out.numel() * out.element_size()
+    assert report.retained_bytes >= 5 * 64 * 8 * 4  # cos, sin, scale, both blocks' inputs
+    out.sum().backward()  # and the recompute still runs
+    assert inputs[0].grad is not None

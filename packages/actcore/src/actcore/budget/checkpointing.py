@@ -26,7 +26,10 @@ class _Recomputed:
     The random state the recompute replays is kept here rather than inside
     ``torch.utils.checkpoint`` (``preserve_rng_state=False``, the same replay), so that the
     memory trackers see it: 5 KiB of CPU generator state per block, part of what the
-    block keeps for backward."""
+    block keeps for backward. So are the tensors the checkpoint holds by reference rather
+    than saves: those in keyword arguments and inside containers among the positional ones
+    (a decoder layer's ``position_embeddings=(cos, sin)``); only top-level positional
+    tensors go through the saved-tensor hooks."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -38,7 +41,8 @@ class _Recomputed:
             return forward(module, *args, **kwargs)
         cpu_state = torch.get_rng_state()
         devices, states = get_device_states(*args)
-        note_saved([cpu_state, *states])
+        held = [a for a in args if not isinstance(a, torch.Tensor)]
+        note_saved([cpu_state, *states, held, kwargs])
         calls = 0
 
         def run(*a: Any, **k: Any) -> Any:
