@@ -1,7 +1,8 @@
 """Memory plans of the Llama 4x512 (sdpa, batch 1) across budgets, each beside checkpointing
 alone at the same budget: ``actcore bench plan``'s rows (what each keeps, its step against
 plain and against checkpointing alone, timed in turn, its gradient cosine, the predicted
-step and error) for a Hugging Face model converted through act_hf.
+step and error) for a Hugging Face model converted through act_hf; ``--compiled``: torch.compile's
+``activation_memory_budget`` at those fractions beside them.
 
     python benchmarks/plan_llama.py --seq 1024 --order time --json results/x.json --png results/x.png
 """
@@ -20,7 +21,7 @@ from llama_memory import build
 import act_hf
 from actcore import budget as act_budget
 from actcore.bench import report
-from actcore.bench.plan import COLUMNS, plot, sweep_budgets
+from actcore.bench.plan import COLUMNS, compiled_budgets, plot, sweep_budgets
 
 
 def main() -> None:
@@ -30,6 +31,9 @@ def main() -> None:
     p.add_argument("--below", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--order", choices=act_budget.ORDERS, default="time")
+    p.add_argument(
+        "--compiled", default="", help="activation_memory_budget fractions, e.g. 0.2,0.5"
+    )
     p.add_argument("--json", required=True)
     p.add_argument("--png", default=None)
     args = p.parse_args()
@@ -57,6 +61,10 @@ def main() -> None:
         order=args.order,
         draw=1,
         row={"model": "llama-4x512", "seq": args.seq},
+    )
+    fractions = tuple(float(f) for f in args.compiled.split(",") if f)
+    compiled_budgets(
+        plain, loss, rows, fractions, steps=args.steps, draw=1, row={"model": "llama-4x512"}
     )
     report.console().print(report.table(title, COLUMNS, rows))
     meta = {

@@ -1,6 +1,7 @@
 """``actcore bench plan``: one row per budget with what the plan keeps (within the budget),
 its step time and its gradient cosine against the unconverted model (1 for the exact plan),
-ending where no plan fits; bad options refused."""
+ending where no plan fits; with ``--compiled``, rows of torch.compile's
+activation_memory_budget beside them; bad options refused."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ def test_bench_plan_rows_from_exact_to_nothing_fits(tmp_path):
     out = tmp_path / "plan.json"
     args = ["bench", "plan", "--model", "tiny-cnn", "--batch", "2", "--budgets", "3"]
     args += ["--below", "2", "--steps", "1", "--quiet", "--threads", "1", "--json", str(out)]
+    args += ["--compiled", "0.1"]
     assert run_cli(args) == 0
     rows = json.loads(out.read_text())["rows"]
+    (compiled,) = [r for r in rows if "compiled" in r]  # PyTorch's knapsack, after the plans
+    rows = rows[: rows.index(compiled)]
     planned = [r for r in rows if "error" not in r]
     assert len(planned) == 3
     assert planned[0]["levels"] == "8 L0" and planned[0]["grad_cosine"] > 0.99999
@@ -24,12 +28,18 @@ def test_bench_plan_rows_from_exact_to_nothing_fits(tmp_path):
     assert [r["budget"] for r in planned] == sorted((r["budget"] for r in planned), reverse=True)
     assert "no plan" not in json.dumps(planned)
     assert rows[-1].get("error", "").startswith("a budget of")  # tiny-cnn has no blocks
+    # activation_memory_budget=0.1 recomputes: it keeps less than exact, gradients exact
+    assert compiled["compiled"] == 0.1 and 0 < compiled["kept_bytes"] < planned[0]["kept_bytes"]
+    assert compiled["grad_cosine"] > 0.9999 and compiled["step_ms"] > 0
 
 
 def test_bench_plan_refuses_bad_options(capsys):
     assert run_cli(["bench", "plan", "--model", "resnet5"]) == 2
     assert run_cli(["bench", "plan", "--model", "tiny-cnn", "--below", "-1"]) == 2
     assert "--below" in capsys.readouterr().err
+    for bad in ("0", "1.5", "half", ""):
+        assert run_cli(["bench", "plan", "--model", "tiny-cnn", "--compiled", bad]) == 2
+        assert "--compiled" in capsys.readouterr().err
 
 
 def test_bench_plan_time_order_beside_checkpointing_alone_with_its_frontier_plot(tmp_path):

@@ -14,14 +14,20 @@ error. ``--order``: the planner's order (most bytes per gradient error, most byt
 row also plans checkpointing alone at the same budget (blocks recomputed, nothing
 compressed: ``fit_budget(levels=("L0",))``) and times its step in the same alternation:
 what it keeps and the plan's step against it (blank where checkpointing cannot fit).
-``--png``: the frontier, step time and gradient cosine against the bytes kept, for the
-plans and for checkpointing alone. CPU or CUDA.
+``--compiled F,...``: PyTorch's own knapsack beside them, the plain model under
+``torch.compile`` with ``activation_memory_budget`` at each fraction F (recompute chosen by
+the partitioner): what its forward keeps (the profiler's self memory, less the loss; CUDA:
+``memory_allocated``), its step (after two compiling steps) against plain, timed in turn,
+and its gradient cosine. ``--png``: the frontier, step time and gradient cosine against the
+bytes kept, for the plans, for checkpointing alone and for the compiled budgets. CPU or
+CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -56,6 +62,7 @@ class PlanConfig:
     device: str = "cpu"
     seed: int = 0
     order: str = "error"
+    compiled: tuple[float, ...] = ()
 
 
 Loss = Callable[[nn.Module], torch.Tensor]
@@ -123,6 +130,9 @@ def run(
         draw=cfg.seed + 1,  # the gradients' random draws: not the planner's probes' (seed 0)
         row={"model": cfg.model, "batch": cfg.batch},
         advance=advance,
+    )
+    compiled_budgets(
+        plain, loss, rows, cfg.compiled, steps=cfg.steps, draw=cfg.seed + 1, advance=advance
     )
 
 
@@ -206,12 +216,68 @@ def sweep_budgets(
         advance(1)
 
 
+def compiled_budgets(
+    plain: nn.Module,
+    loss: Loss,
+    rows: list[dict[str, Any]],
+    fractions: tuple[float, ...],
+    *,
+    steps: int,
+    draw: int,
+    row: dict[str, Any] | None = None,
+    advance: Callable[..., None] = lambda *a, **k: None,
+) -> None:
+    """One row in ``rows`` per fraction: a copy of ``plain`` compiled with
+    ``activation_memory_budget=fraction`` (``"compiled": fraction``), what its forward keeps
+    by the profiler, its step against ``plain``'s (timed in turn), its gradient cosine."""
+    from ..memory import profiled_bytes
+    from .zoo import compile_settings
+
+    if not fractions:
+        return
+    params = list(plain.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    reference = _grads(plain, loss, draw)
+    for fraction in fractions:
+        torch._dynamo.reset()
+        model = copy.deepcopy(plain)
+        compiled = torch.compile(model)
+        with compile_settings("budget", fraction):
+            for _ in range(2):  # compiles forward and backward
+                _step(compiled, loss, device)
+            if device.type == "cuda":
+                sync_device(device)
+                before = torch.cuda.memory_allocated(device)
+                out = loss(compiled)
+                sync_device(device)
+                kept = torch.cuda.memory_allocated(device) - before
+            else:
+                out, kept = profiled_bytes(functools.partial(loss, compiled))
+            kept -= out.numel() * out.element_size()
+            del out
+            grads = _grads(compiled, loss, draw)
+            seconds = _alternated_seconds([compiled, plain], loss, device, steps)
+        rows.append(
+            {
+                **(row or {}),
+                "compiled": fraction,
+                "kept_bytes": kept,
+                "step_ms": seconds[0] * 1e3,
+                "vs_plain": seconds[0] / seconds[1],
+                "grad_cosine": grad_cosine(grads, reference),
+            }
+        )
+        advance(1)
+    torch._dynamo.reset()
+
+
 def figure(rows: list[dict[str, Any]], title: str) -> Any:
     """A matplotlib Figure: step time against plain and gradient cosine, each against the
     bytes kept, for the plans and for checkpointing alone at the same budgets."""
     Figure = report.optional_import("matplotlib.figure").Figure
-    planned = [r for r in rows if "error" not in r]
+    planned = [r for r in rows if "error" not in r and "compiled" not in r]
     alone = [r for r in planned if "ckpt_ms" in r]
+    compiled = [r for r in rows if "compiled" in r]
     order = planned[0]["order"] if planned else "?"
     fig = Figure(figsize=(10, 4.2), dpi=120)
     time_ax, cosine_ax = fig.subplots(1, 2)
@@ -228,6 +294,17 @@ def figure(rows: list[dict[str, Any]], title: str) -> Any:
         marker="s",
         label="checkpointing alone",
     )
+    if compiled:
+        time_ax.plot(
+            [r["kept_bytes"] / mib for r in compiled],
+            [r["vs_plain"] for r in compiled],
+            marker="^",
+            linestyle="none",
+            color="tab:green",
+            label="compiled, activation_memory_budget",
+        )
+        for r in compiled:
+            time_ax.annotate(f"{r['compiled']:g}", (r["kept_bytes"] / mib, r["vs_plain"]))
     time_ax.set_xlabel("kept for backward (MiB)")
     time_ax.set_ylabel("step time / plain step")
     cosine_ax.plot(
@@ -237,6 +314,15 @@ def figure(rows: list[dict[str, Any]], title: str) -> Any:
         label=f"ACT plan (order {order})",
     )
     cosine_ax.axhline(1.0, color="grey", linestyle=":", label="checkpointing alone (exact)")
+    if compiled:
+        cosine_ax.plot(
+            [r["kept_bytes"] / mib for r in compiled],
+            [r["grad_cosine"] for r in compiled],
+            marker="^",
+            linestyle="none",
+            color="tab:green",
+            label="compiled, activation_memory_budget",
+        )
     cosine_ax.set_xlabel("kept for backward (MiB)")
     cosine_ax.set_ylabel("gradient cosine to plain")
     for ax in (time_ax, cosine_ax):
@@ -257,6 +343,7 @@ def plot(rows: list[dict[str, Any]], title: str, path: str | Path) -> Path:
 
 
 COLUMNS = [
+    report.Column("compiled", "compiled at", lambda v: "" if v is None else f"{v:g}"),
     report.Column("budget", "budget", report.fmt_bytes),
     report.Column("kept_bytes", "kept", report.fmt_bytes),
     report.Column("used", "used", lambda v: "" if v is None else f"{100 * v:.1f}%"),
@@ -297,9 +384,27 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
         help="which layers go coarser first: most bytes per gradient error, or most bytes; "
         "or time: the fastest plan by measured costs",
     )
+    p.add_argument(
+        "--compiled",
+        type=_fractions,
+        default=(),
+        help="activation_memory_budget fractions to compile the plain model at, e.g. 0.2,0.5",
+    )
     p.add_argument("--png", default=None, help="plot the frontier to this PNG")
     common(p)
     p.set_defaults(func=main, validate=_validate)
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = (-1.0,)
+    if not values or not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"takes fractions in (0, 1] separated by commas, e.g. 0.2,0.5; got {text!r}"
+        )
+    return values
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -321,7 +426,7 @@ def main(args: argparse.Namespace) -> int:
     return report.run_with_progress(
         "plan",
         args,
-        cfg.budgets + cfg.below,
+        cfg.budgets + cfg.below + len(cfg.compiled),
         lambda rows, advance: run(cfg, rows, advance),
         config=asdict(cfg) | {"png": args.png},
         show=show,
