@@ -22,8 +22,12 @@ def _random_blocks(rng: random.Random, n_blocks: int) -> list[Block]:
             for level in range(1, 4):
                 options.append(Option(exact // (2 * level), rng.uniform(0.1, 3.0), (b, m, level)))
             members.append(options)
-        whole = Option(rng.randint(10, 150), rng.uniform(0.5, 5.0), (b, "whole"))
-        blocks.append(Block(members, whole if rng.random() < 0.7 else None))
+        # none, one (recompute) or two (recompute, its input packed: lighter, costlier) wholes
+        wholes = [
+            Option(rng.randint(10, 150), rng.uniform(0.5, 5.0), (b, "whole", k))
+            for k in range(rng.choice((0, 1, 1, 2)))
+        ]
+        blocks.append(Block(members, wholes))
     return blocks
 
 
@@ -31,8 +35,7 @@ def _brute_force(blocks: list[Block], capacity: int) -> tuple[float, int] | None
     per_block = []
     for block in blocks:
         ways = [list(c) for c in itertools.product(*block.members)]
-        if block.whole is not None:
-            ways.append([block.whole])
+        ways += [[whole] for whole in block.wholes]
         per_block.append(ways)
     best = None
     for combo in itertools.product(*per_block):
@@ -53,9 +56,7 @@ def test_it_is_exact_against_brute_force_on_small_instances(seed):
     rng = random.Random(seed)
     blocks = _random_blocks(rng, 3)
     lightest = sum(
-        min(
-            [sum(min(o.bytes for o in m) for m in b.members)] + ([b.whole.bytes] if b.whole else [])
-        )
+        min([sum(min(o.bytes for o in m) for m in b.members)] + [w.bytes for w in b.wholes])
         for b in blocks
     )
     heaviest = sum(sum(max(o.bytes for o in m) for m in b.members) for b in blocks)
@@ -73,7 +74,7 @@ def test_it_is_exact_against_brute_force_on_small_instances(seed):
         assert got.bytes == want[1]  # the lightest of the cheapest
         for block, chosen in zip(blocks, got.chosen, strict=True):
             if isinstance(chosen, Option):
-                assert chosen is block.whole
+                assert any(chosen is whole for whole in block.wholes)
             else:
                 assert all(o in m for o, m in zip(chosen, block.members, strict=True))
 
@@ -97,7 +98,7 @@ def test_rounding_to_units_keeps_large_instances_within_a_unit_per_option():
     scaled = [
         Block(
             [[Option(o.bytes * 10_007, o.cost, o.choice) for o in m] for m in b.members],
-            None if b.whole is None else Option(b.whole.bytes * 10_007, b.whole.cost),
+            [Option(w.bytes * 10_007, w.cost, w.choice) for w in b.wholes],
         )
         for b in blocks
     ]
@@ -113,6 +114,7 @@ def test_a_32_block_model_is_solved_in_under_two_seconds():
     rng = random.Random(0)
     blocks = []
     for _ in range(32):  # a decoder layer: 7 linears and 2 norms, 4 levels each, or recomputed
+        # (its input exact, or packed)
         members = []
         for _ in range(9):
             exact = rng.randint(1, 64) * 2**20
@@ -122,7 +124,8 @@ def test_a_32_block_model_is_solved_in_under_two_seconds():
                     for k in range(4)
                 ]
             )
-        blocks.append(Block(members, Option(8 * 2**20, rng.uniform(5, 10))))
+        wholes = [Option(8 * 2**20, rng.uniform(5, 10)), Option(2**20, rng.uniform(10, 12))]
+        blocks.append(Block(members, wholes))
     heaviest = sum(sum(m[0].bytes for m in b.members) for b in blocks)
     start = time.perf_counter()
     got = solve(blocks, heaviest // 5)

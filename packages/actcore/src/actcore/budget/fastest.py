@@ -120,12 +120,8 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
     for b in regions:
         members = [g for g in groups if inside(g[0], [b])]
         rows = [options(g) for g in members] + [scope_choice(b)]
-        whole = (
-            Option(under(every, b), p.times.block.get(b, 0.0), RECOMPUTE)
-            if b in p.recomputable
-            else None
-        )
-        parts.append((b, members, Block(rows, whole)))
+        wholes = [Option(under(every, b), p.times.block.get(b, 0.0), RECOMPUTE)]
+        parts.append((b, members, Block(rows, wholes if b in p.recomputable else [])))
     for g in groups:
         if not inside(g[0], regions):
             parts.append((None, [g], Block([options(g)])))
@@ -306,8 +302,7 @@ def _groups(
 
 def _by_bytes(block: Block) -> Block:
     """``block`` with each option's cost its bytes: its cheapest is its lightest."""
-    whole = block.whole
     return Block(
         [[Option(o.bytes, float(o.bytes), o.choice) for o in row] for row in block.members],
-        None if whole is None else Option(whole.bytes, float(whole.bytes), whole.choice),
+        [Option(o.bytes, float(o.bytes), o.choice) for o in block.wholes],
     )

@@ -2,8 +2,9 @@
 bytes fit a capacity (a multiple-choice knapsack, with blocks that can be replaced whole).
 
 A :class:`Block` is a list of members, each a list of :class:`Option` (one is chosen per
-member: a Q-layer's level), and optionally one ``whole`` option that replaces all of them
-(the block recomputed in backward, its members' own saves then recomputed, not kept). A
+member: a Q-layer's level), and ``wholes``, options of which one may replace all of them
+(the block recomputed in backward, its members' own saves then recomputed, not kept; its
+input kept exact or packed). A
 Q-layer outside every block is a block of one member. :func:`solve` is a dynamic program
 over bytes counted in units of ``capacity / resolution`` (each option's bytes rounded to
 the nearest unit; with a unit of one byte it is exact): per block, the cheapest cost of
@@ -37,15 +38,16 @@ class Option:
 
 @dataclass(frozen=True)
 class Block:
-    """Members (a list of options each, one chosen per member), or ``whole`` instead."""
+    """Members (a list of options each, one chosen per member), or one of ``wholes``
+    instead."""
 
     members: Sequence[Sequence[Option]]
-    whole: Option | None = None
+    wholes: Sequence[Option] = ()
 
 
 @dataclass(frozen=True)
 class Solution:
-    """The option chosen per block: its ``whole`` option where that was taken, else one
+    """The option chosen per block: one of its ``wholes`` where that was taken, else one
     option per member; and the totals of the chosen options' bytes and costs."""
 
     chosen: list[Option | list[Option]]
@@ -56,7 +58,7 @@ class Solution:
 def solve(blocks: Sequence[Block], capacity: int, resolution: int = RESOLUTION) -> Solution | None:
     """The least-cost choice whose bytes (counted in units, see the module docstring) fit
     ``capacity``, the lightest among equals; None when even the lightest does not fit.
-    ``chosen[i]`` is block ``i``'s ``whole`` option, or the list of its members' options."""
+    ``chosen[i]`` is one of block ``i``'s ``wholes``, or the list of its members' options."""
     if capacity < 0:
         return None
     unit = max(1, math.ceil(capacity / resolution))
@@ -105,7 +107,7 @@ def _relax(
 
 
 def _front(block: Block, top: int, units: Any) -> list[tuple[int, float, Any]]:
-    """The block's points (weight in units, cost, how: the whole option or the members'
+    """The block's points (weight in units, cost, how: a whole option or the members'
     options) that no lighter point matches in cost, lightest first."""
     inf = math.inf
     best = np.full(top + 1, inf)
@@ -121,22 +123,19 @@ def _front(block: Block, top: int, units: Any) -> list[tuple[int, float, Any]]:
         picks.append(pick)
         best = nxt
     points: list[tuple[int, float, Any]] = []
-    whole = block.whole
-    whole_w = units(whole.bytes) if whole is not None else top + 1
     lowest = inf
     candidates = sorted(
-        [(int(w), float(best[w]), False) for w in np.flatnonzero(np.isfinite(best))]
-        + ([(whole_w, whole.cost, True)] if whole is not None and whole_w <= top else []),
+        [(int(w), float(best[w]), None) for w in np.flatnonzero(np.isfinite(best))]
+        + [(units(o.bytes), o.cost, o) for o in block.wholes if units(o.bytes) <= top],
         key=lambda p: (p[0], p[1]),
     )
-    for w, cost, is_whole in candidates:
+    for w, cost, whole in candidates:
         if cost >= lowest:
             continue
         lowest = cost
-        if is_whole:
-            points.append((w, cost, whole))
-        else:
-            points.append((w, cost, _members_at(block, picks, w, units)))
+        points.append(
+            (w, cost, whole if whole is not None else _members_at(block, picks, w, units))
+        )
     return points
 
 
