@@ -298,6 +298,93 @@ def test_the_scope_is_switched_on_where_it_costs_less_than_recompute(monkeypatch
     assert _kept_by(other, _gated_loss) == plan.kept_bytes
 
 
+def _packed_priced(packed_seconds: float):
+    """Levels and the scope inside blocks cost most, recompute little, recompute with the
+    input packed ``packed_seconds`` a block."""
+
+    def fake(model, layers, example_inputs, forward, names, blocks, units, set_scope):
+        layer = [dict.fromkeys(layers, 0.0)] + [dict.fromkeys(layers, 10.0) for _ in names[1:]]
+        return StepTimes(
+            1.0,
+            layer,
+            dict.fromkeys(blocks, 0.01),
+            [1.0] * len(names),
+            1.0,
+            {u: 0.0 if u == "" else 10.0 for u in units},
+            1.0,
+            dict.fromkeys(blocks, packed_seconds),
+            1.0,
+        )
+
+    return fake
+
+
+def test_a_recomputed_block_s_input_is_packed_where_recompute_alone_keeps_too_much(monkeypatch):
+    plain = _gated_net()
+    model = copy.deepcopy(plain)
+    fit_budget(model, _gated_loss, "1000%", order="time")
+    monkeypatch.setattr(budget_search, "cached_step_times", _packed_priced(0.02))
+    # what every block recomputed keeps, its input exact, and the rest's scope on
+    recomputed = fit_budget(model, _gated_loss, "1000%", order="time")
+    alone = fit_budget(model, _gated_loss, int(0.5 * recomputed.exact_bytes), order="time")
+    assert alone.recompute and not any(alone.scope.get(b) for b in alone.recompute)
+    for a, b in zip(_grads(plain), _grads(model), strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)  # no compression inside the blocks
+    budget = alone.kept_bytes - 1  # recompute alone no longer fits: pack some inputs
+    plan = fit_budget(model, _gated_loss, budget, order="time", error_weight=0.0)
+    packed = [b for b in plan.recompute if plan.scope[b]]
+    assert packed and plan.kept_bytes <= budget
+    assert plan.kept_bytes == _kept_by(model, _gated_loss)
+    assert plan.predicted_bytes == pytest.approx(plan.kept_bytes, rel=0.02)
+    assert set(plan.levels.values()) == {"L0"}  # the levels cost most
+    assert "input packed" in plan.describe() and "its input packed" in plan.table()
+    step = plan.step_seconds - 1.0  # the recomputes and what the rest's scope adds
+    assert step == pytest.approx(0.02 * len(packed) + 0.01 * (len(plan.recompute) - len(packed)))
+    cosine = F.cosine_similarity(
+        torch.cat([g.flatten() for g in _grads(model)]),
+        torch.cat([g.flatten() for g in _grads(plain)]),
+        dim=0,
+    )
+    assert 0.9 < cosine < 1.0  # the packed inputs are compressed: close, not exact
+    again = MemoryPlan.from_state_dict(plan.state_dict())
+    other = actcore.convert(copy.deepcopy(plain), level="L2")
+    again.apply(other)
+    assert _kept_by(other, _gated_loss) == plan.kept_bytes
+
+
+def test_packed_recompute_is_timed_and_its_error_measured(monkeypatch):
+    model = actcore.convert(_gated_net(), level="L2")
+    layers, blocks = _layers(model), candidate_blocks(model)
+    units = ["", *blocks]
+
+    def set_scope(on):
+        for u in units:
+            actcore.layers.scope.set_scope_exact(model.get_submodule(u), u not in on)
+
+    times = step_times(model, layers, _gated_loss, LEVELS, blocks, 2, units, set_scope)
+    assert set(times.packed) == set(blocks) and times.recomputed_packed is not None
+    for b in blocks:  # recompute and the packing: at least recompute alone
+        assert times.packed[b] >= times.block[b] > 0
+    every = times.predict(dict.fromkeys(layers, 0), blocks, blocks)
+    assert every == pytest.approx(times.exact + sum(times.packed.values()))
+    assert every >= times.recomputed_packed - 1e-12
+    probed = []
+    real = budget_search.cached_scope_errors
+
+    def recorded(*args, **kwargs):
+        table = real(*args, **kwargs)
+        probed.append((kwargs.get("variant", "scope"), table))
+        return table
+
+    monkeypatch.setattr(budget_search, "cached_scope_errors", recorded)
+    plan = fit_budget(model, _gated_loss, "40%", order="time")
+    assert plan.kept_bytes <= plan.budget and plan.gradient_error is not None
+    variants = dict(probed)
+    assert set(variants) == {"scope", "recomputed"}
+    assert set(variants["recomputed"]) == set(blocks)  # each block's packed input: an error
+    assert all(e > 0 for e in variants["recomputed"].values())
+
+
 def test_a_model_converted_at_an_adaptive_level_is_refused_for_the_time_order():
     model = actcore.convert(_gated_net(), level="L3")
     with pytest.raises(ValueError, match="adaptive bits"):

@@ -9,12 +9,14 @@ split over the Q-layers in proportion to how much longer each one's forward took
 (its packing: unpacking in backward follows the packing's size); recompute's, over the
 blocks in proportion to their exact forwards (what backward runs again); the model
 scope's, measured with it compressing in the rest of the model alone and then in the
-blocks alone, over the blocks by how much longer their forwards took. No share is less
+blocks alone, over the blocks by how much longer their forwards took; and recompute with
+the scope on in the blocks (each block's input packed) over the blocks by how much longer
+their forwards took than with recompute alone. No share is less
 than what was measured of it directly (a longer forward; a block's forward, which a
 recompute runs again), so on a noisy machine a step measured faster than that counts as
 that. The model is additive, and reproduces the measured uniform steps:
-``step(config) = exact + sum(layer[level of l][l]) + sum(block[b] for b recomputed)
-+ sum(scope[u] for u compressing)``.
+``step(config) = exact + sum(layer[level of l][l]) + sum(block[b] for b recomputed, or
+packed[b] where its scope is on) + sum(scope[u] for u compressing, not recomputed)``.
 
 On CUDA the hooks record events and each step ends with a synchronisation; elsewhere they
 read ``time.perf_counter``. The times are kept per model, candidate levels, Q-layers,
@@ -55,18 +57,25 @@ class StepTimes:
     recomputed: float | None  # the measured step with every block recomputed
     scope: dict[str, float] = field(default_factory=dict)  # unit -> seconds its scope adds
     scoped: float | None = None  # the step with the scope on in every unit (measured in two)
+    packed: dict[str, float] = field(default_factory=dict)  # block -> seconds recomputing it
+    # adds with its scope on (its input packed): recompute and the packing
+    recomputed_packed: float | None = None  # the step with every such block so
 
     def predict(
         self, levels: Mapping[str, int], recompute: Sequence[str], scope: Sequence[str] = ()
     ) -> float:
         """The step's seconds with each Q-layer at ``levels``' candidate index,
         ``recompute``'s blocks recomputed and the model scope compressing in ``scope``'s
-        units."""
+        units (a recomputed block whose scope is on: its input packed)."""
+        on = set(scope)
         return (
             self.exact
             + sum(self.layer[i].get(n, 0.0) for n, i in levels.items())
-            + sum(self.block.get(b, 0.0) for b in recompute)
-            + sum(self.scope.get(u, 0.0) for u in scope)
+            + sum(
+                self.packed.get(b, 0.0) if b in on and b in self.packed else self.block.get(b, 0.0)
+                for b in recompute
+            )
+            + sum(self.scope.get(u, 0.0) for u in on if u not in recompute)
         )
 
 
@@ -85,8 +94,10 @@ def step_times(
     those of ``on``, exact in the others), ``""`` for what no other unit holds: two more
     configurations, the scope on in ``""`` alone (its extra time is that unit's), and on in
     every other unit (its extra time split over them by how much longer their forwards
-    took). Each share is at least what was measured of it directly: a layer's, or the
-    scope's, longer forward; a block's forward, which recompute runs again. Leaves the
+    took); with ``blocks`` among the units, one more: every block recomputed with its
+    scope on (its input packed). Each share is at least what was measured of it directly:
+    a layer's, or the scope's, longer forward; a block's forward, which recompute runs
+    again. Leaves the
     Q-layers at ``names[0]``, no block recomputed, the scope exact, and each parameter's
     ``.grad`` as it was."""
     units = list(units) if set_scope is not None else []
@@ -103,13 +114,16 @@ def step_times(
     configs: list[tuple[str, bool, str]] = [(level, False, "") for level in names]
     if blocks:
         configs.append((names[0], True, ""))
+    inner = [u for u in units if u != ""]
+    packable = [b for b in blocks if b in inner]  # recomputed with its input packed
     if units:
         configs.append((names[0], False, "rest"))
-        if len(units) > 1:
+        if inner:
             configs.append((names[0], False, "blocks"))
+    if packable:
+        configs.append((names[0], True, "blocks"))
     steps: dict[tuple[str, bool, str], list[float]] = {c: [] for c in configs}
     forwards: dict[tuple[str, bool, str], list[dict[str, float]]] = {c: [] for c in configs}
-    inner = [u for u in units if u != ""]
 
     def set_config(level: str, recompute: bool, scope: str) -> None:
         for m in layers.values():
@@ -167,7 +181,17 @@ def step_times(
                 _split(seconds - exact, {u: max(0.0, fwd[u] - exact_fwd[u]) for u in inner})
             )
             scoped += sum(scope[u] for u in inner)
-    return StepTimes(exact, layer, block, uniform, recomputed, scope, scoped)
+    packed: dict[str, float] = {}
+    recomputed_packed = None
+    if packable and recomputed is not None:
+        recomputed_packed = statistics.median(steps[(names[0], True, "blocks")])
+        fwd, plain = medians((names[0], True, "blocks")), medians((names[0], True, ""))
+        longer = {b: max(0.0, fwd[b] - plain[b]) for b in packable}
+        extra = _split(recomputed_packed - recomputed, longer)
+        packed = {b: block[b] + extra[b] for b in packable}
+    return StepTimes(
+        exact, layer, block, uniform, recomputed, scope, scoped, packed, recomputed_packed
+    )
 
 
 def _split(extra: float, weights: Mapping[str, float]) -> dict[str, float]:

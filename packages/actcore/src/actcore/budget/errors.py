@@ -155,14 +155,16 @@ def cached_scope_errors(
     units: Sequence[str],
     set_scope: Callable[[Sequence[str]], None],
     weights: Mapping[str, int],
+    variant: str = "scope",
 ) -> dict[str, float]:
-    """:func:`scope_errors`, measured once per model, Q-layers, units and shape of
-    ``example_inputs`` (:mod:`.measured`)."""
+    """:func:`scope_errors`, measured once per model, Q-layers, units, ``variant`` (what
+    ``set_scope`` sets besides the scope: ``"recomputed"``, every block recomputed) and
+    shape of ``example_inputs`` (:mod:`.measured`)."""
     return measured_once(
         "errors",
         model,
         example_inputs,
-        ("scope", exact_level, tuple(layers), tuple(units)),
+        (variant, exact_level, tuple(layers), tuple(units)),
         lambda: scope_errors(model, layers, forward, exact_level, units, set_scope, weights),
     )
 

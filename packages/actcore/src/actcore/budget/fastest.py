@@ -4,9 +4,9 @@ compresses what no Q-layer saves, chosen together by a knapsack (:mod:`.knapsack
 measured costs.
 
 What each choice keeps is read from per-module tables, each measured with the rest exact
-(every Q-layer at each level; every block recomputed, its Q-layers exact; the scope on
-everywhere); what it costs is the
-step time it adds (:mod:`.costs`) plus ``error_weight`` times the exact step's seconds per
+(every Q-layer at each level; every block recomputed, its Q-layers exact, its input
+exact and then packed by the scope; the scope on everywhere); what it costs is the step
+time it adds (:mod:`.costs`) plus ``error_weight`` times the exact step's seconds per
 unit of relative squared gradient error it adds (:mod:`.errors`): with the default weight
 of 1, an error of 1% of the gradient's squared norm costs as much as 1% more step time.
 Bytes are not quite additive across modules, so the solution is measured; where it keeps
@@ -32,6 +32,7 @@ from .plan import MemoryPlan
 
 __all__ = [
     "RECOMPUTE",
+    "RECOMPUTE_PACKED",
     "SCOPE_EXACT",
     "SCOPE_ON",
     "Problem",
@@ -40,8 +41,9 @@ __all__ = [
     "shared_inputs",
 ]
 
-RECOMPUTE = "recompute"
-"""The choice of a block recomputed in backward."""
+RECOMPUTE, RECOMPUTE_PACKED = "recompute", "recompute, input packed"
+"""The choices of a block recomputed in backward: its input kept exact, or packed by the
+model scope (the block's scope on)."""
 SCOPE_ON, SCOPE_EXACT = "scope on", "scope exact"
 """The choices of a scope unit: the model scope compresses what it saves, or keeps it."""
 
@@ -70,6 +72,8 @@ class Problem:
     norm: float  # the exact gradient's squared norm
     error_weight: float
     tied: Sequence[Sequence[str]] = ()  # Q-layers that take one level (shared_inputs)
+    packed_errors: dict[str, float] | None = None  # block -> squared gradient error when
+    # recomputed with its scope on (its input packed)
 
 
 def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
@@ -89,6 +93,8 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
     tables = [measured(dict.fromkeys(layers, name))[1] for name in names]
     exact_bytes = measured(exact_levels)[0]
     every = measured(exact_levels, p.recomputable)[1] if p.recomputable else {}
+    packable = [b for b in p.recomputable if b in units]  # recomputed, its input packed
+    packed = measured(exact_levels, p.recomputable, packable)[1] if packable else {}
     scope_on = measured(exact_levels, (), units)[1] if units else {}
     errors = p.errors
     price = p.error_weight * p.times.exact / p.norm if p.norm > 0 else 0.0
@@ -120,8 +126,13 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
     for b in regions:
         members = [g for g in groups if inside(g[0], [b])]
         rows = [options(g) for g in members] + [scope_choice(b)]
-        wholes = [Option(under(every, b), p.times.block.get(b, 0.0), RECOMPUTE)]
-        parts.append((b, members, Block(rows, wholes if b in p.recomputable else [])))
+        wholes = []
+        if b in p.recomputable:
+            wholes.append(Option(under(every, b), p.times.block.get(b, 0.0), RECOMPUTE))
+        if b in packable and b in p.times.packed:
+            error = price * (p.packed_errors or {}).get(b, 0.0)
+            wholes.append(Option(under(packed, b), p.times.packed[b] + error, RECOMPUTE_PACKED))
+        parts.append((b, members, Block(rows, wholes)))
     for g in groups:
         if not inside(g[0], regions):
             parts.append((None, [g], Block([options(g)])))
@@ -135,6 +146,8 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
             if isinstance(picked, Option):  # the block recomputed: its Q-layers exact
                 recomputed.append(region)  # type: ignore[arg-type]
                 levels.update({n: names[0] for group in members for n in group})
+                if picked.choice == RECOMPUTE_PACKED:  # and its scope on: the input packed
+                    on.append(region)  # type: ignore[arg-type]
                 continue
             for group, option in zip(members, picked, strict=False):  # type: ignore[call-overload]
                 levels.update(dict.fromkeys(group, option.choice))
@@ -145,8 +158,8 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
     # the least a plan keeps: the lightest by the tables, every Q-layer at the coarsest level
     # with the scope on everywhere (layers and scope that pack alike share packings, which
     # the tables, each measured with the others exact, do not see), or every block
-    # recomputed with the scope on (a recomputed block's input is then packed, which the
-    # knapsack's choices do not include yet)
+    # recomputed with the scope on everywhere (the blocks' inputs packed, the rest's scope
+    # on with its Q-layers coarsest)
     lightest = solve([_by_bytes(block) for _, _, block in parts], 2**62)  # cost = bytes
     assert lightest is not None
     candidates = [configuration(lightest.chosen)]

@@ -243,6 +243,9 @@ class MemoryPlan:
         spread = ", ".join(f"{n} at {level}" for level, n in sorted(counts.items()))
         if self.recompute:
             spread += f"; {len(self.recompute)} blocks recomputed ({', '.join(self.recompute)})"
+            packed = [b for b in self.recompute if self.scope.get(b)]
+            if packed:
+                spread += f", {len(packed)} of them with the input packed"
         if self.scope:
             on = [n or "the rest" for n, c in self.scope.items() if c]
             spread += f"; the scope compressing in {len(on)} of {len(self.scope)} parts" + (
@@ -292,10 +295,13 @@ class MemoryPlan:
                 )
             )
         for unit, on in self.scope.items():
-            block = next((b for b in self.recompute if unit == b), None)
+            recomputed = unit in self.recompute
             why = (
-                f"recomputed with {block}"
-                if block is not None
+                "recomputed, its input packed: fewer bytes than recompute alone, for less "
+                "step time and error than other ways to fit"
+                if recomputed and on
+                else "recomputed, its input exact"
+                if recomputed
                 else "its compression costs less step time and error than other ways to fit"
                 if on
                 else "the budget fits with it exact, or recompute costs less"

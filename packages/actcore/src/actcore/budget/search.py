@@ -183,6 +183,11 @@ def fit_budget(
         for unit in units:
             set_scope_exact(model.get_submodule(unit), unit not in on)
 
+    def set_recomputed_scope(recomputed: Sequence[str], on: Sequence[str]) -> None:
+        for name in blocks:
+            set_recompute(model.get_submodule(name), name in recomputed)
+        set_scope(on)
+
     def kept(config: Mapping[str, str]) -> tuple[int, dict[str, int]]:
         """(Forwards are seeded, so a configuration measured once is not measured again.)"""
         key = (tuple(chosen), tuple(scoped), tuple(config[n] for n in layers))
@@ -214,7 +219,7 @@ def fit_budget(
                 )
             budget_bytes = max(1, math.floor(share * whole))
         all_exact = bound == "kept" and exact_bytes <= budget_bytes  # nothing to order
-        times, tied, unit_errors = None, [], None
+        times, tied, unit_errors, packed_errors = None, [], None, None
         if order == "time" and not all_exact:
             times = unless_out_of_memory(
                 lambda: cached_step_times(
@@ -245,6 +250,21 @@ def fit_budget(
                     set_scope,
                     _scope_savings(kept, scoped, exact, units, regions, layers),
                 )
+            packable = [b for b in blocks if b in units]
+            if packable and found is not None:  # recomputed, the input packed by the scope
+                chosen[:] = blocks
+                packed_errors = cached_scope_errors(
+                    model,
+                    layers,
+                    example_inputs,
+                    forward,
+                    names[0],
+                    packable,
+                    lambda on: set_recomputed_scope(blocks, on),
+                    _scope_savings(kept, scoped, exact, packable, regions, layers),
+                    variant="recomputed",
+                )
+                chosen.clear()
 
         def plan_for(target: int) -> MemoryPlan:
             if order == "time" and times is not None:
@@ -263,6 +283,7 @@ def fit_budget(
                     norm,
                     error_weight,
                     tied,
+                    packed_errors,
                 )
                 return fastest_plan(problem, target)
             return _plan(kept, chosen, list(layers), names, blocks, target, errors)
@@ -286,7 +307,11 @@ def fit_budget(
         }
         extra["gradient_error"] = scale * (
             sum(errors[rank[lv]][n] for n, lv in plan.levels.items())
-            + sum((unit_errors or {}).get(u, 0.0) for u, on in plan.scope.items() if on)
+            + sum(
+                ((packed_errors if u in plan.recompute else unit_errors) or {}).get(u, 0.0)
+                for u, on in plan.scope.items()
+                if on
+            )
         )
     elif order == "error" and all_exact:
         extra["gradient_error"] = 0.0  # every Q-layer exact
