@@ -273,7 +273,8 @@ def compiled_budgets(
 
 def figure(rows: list[dict[str, Any]], title: str) -> Any:
     """A matplotlib Figure: step time against plain and gradient cosine, each against the
-    bytes kept, for the plans and for checkpointing alone at the same budgets."""
+    bytes kept, for the plans, for checkpointing alone at the same budgets and for the
+    compiled activation_memory_budget rows."""
     Figure = report.optional_import("matplotlib.figure").Figure
     planned = [r for r in rows if "error" not in r and "compiled" not in r]
     alone = [r for r in planned if "ckpt_ms" in r]
@@ -294,15 +295,19 @@ def figure(rows: list[dict[str, Any]], title: str) -> Any:
         marker="s",
         label="checkpointing alone",
     )
-    if compiled:
-        time_ax.plot(
+
+    def compiled_points(ax: Any, key: str) -> None:
+        ax.plot(
             [r["kept_bytes"] / mib for r in compiled],
-            [r["vs_plain"] for r in compiled],
+            [r[key] for r in compiled],
             marker="^",
             linestyle="none",
             color="tab:green",
             label="compiled, activation_memory_budget",
         )
+
+    if compiled:
+        compiled_points(time_ax, "vs_plain")
         for r in compiled:
             time_ax.annotate(f"{r['compiled']:g}", (r["kept_bytes"] / mib, r["vs_plain"]))
     time_ax.set_xlabel("kept for backward (MiB)")
@@ -315,14 +320,7 @@ def figure(rows: list[dict[str, Any]], title: str) -> Any:
     )
     cosine_ax.axhline(1.0, color="grey", linestyle=":", label="checkpointing alone (exact)")
     if compiled:
-        cosine_ax.plot(
-            [r["kept_bytes"] / mib for r in compiled],
-            [r["grad_cosine"] for r in compiled],
-            marker="^",
-            linestyle="none",
-            color="tab:green",
-            label="compiled, activation_memory_budget",
-        )
+        compiled_points(cosine_ax, "grad_cosine")
     cosine_ax.set_xlabel("kept for backward (MiB)")
     cosine_ax.set_ylabel("gradient cosine to plain")
     for ax in (time_ax, cosine_ax):
