@@ -149,7 +149,11 @@ def main() -> None:
         "torch": torch.__version__,
         "budget_bytes": budget,
         "command": "python benchmarks/max_size.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        + " ".join(
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in vars(args).items()
+            if v is not None and not (k == "image_size" and args.model == "llama")
+        ),
         "machine_info": report.machine_info(),
     }
     with open(args.json, "w") as f:
