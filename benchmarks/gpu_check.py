@@ -16,6 +16,8 @@ and peak memory for plain, checkpointing, L2, L3, L3 with its zero-value counts 
 (the sizing before 2026-11-27, paired), L4 = L3 + swap), ``llama`` (Llama 4x512,
 bf16 autocast: memory kept for backward and step time for sdpa, checkpointing, ACT,
 checkpointing + ACT), ``profile`` (host against kernel time of an L3 step, top ops),
+``plan-time`` (the fastest plan that fits, ``order="time"``, on the Llama at 40/20/10% of
+its exact bytes beside checkpointing alone: bytes held against the budget, peak, tokens/s),
 ``peak-trace`` (where a batch-512 step peaks), ``max-batch-*`` (ResNet-50's largest batch,
 plain, checkpointing, L3), ``budget`` (fit_budget's plans on a step's peak and max_batch at the
 default budget, against what a step allocates). Output: ``DIR/gpu-check.json`` and ``DIR/gpu-check.txt``.
@@ -57,6 +59,7 @@ PARTS: list[tuple[str, int]] = [
     ("ncu", 120),
     ("resnet", 100),
     ("llama", 90),
+    ("plan-time", 150),
     ("profile", 60),
     ("peak-trace", 60),
     ("max-batch-fp", 40),
@@ -637,6 +640,96 @@ def part_llama(dry: bool, out: Path) -> dict[str, Any]:
     return {"rows": rows}
 
 
+def part_plan_time(dry: bool, out: Path) -> dict[str, Any]:
+    """The fastest plan that fits (``fit_budget(order="time")``) on the Llama 4x512 (bf16
+    autocast, batch 2), at 40%, 20% and 10% of its exact bytes, beside checkpointing alone
+    at the same budget (``levels=("L0",)``): per plan, what a forward leaves allocated
+    (``memory_allocated``) against the budget and the prediction, a step's peak above its
+    start, the step time and tokens per second against plain sdpa's, the planning
+    seconds, and what the plan chose."""
+    import copy
+
+    import torch
+
+    import act_hf
+    import actcore
+
+    device = _device(dry)
+    seq, batch, repeats = (64, 2, 1) if dry else (4096, 2, 3)
+    ids = torch.randint(0, 1000, (batch, seq), device=device)
+    plain = _llama("sdpa", device, dry)
+
+    def forward(m: Any) -> Any:
+        with _autocast(device):
+            return m(input_ids=ids, labels=ids, use_cache=False).loss
+
+    def step_of(m: Any) -> Callable[[], None]:
+        def step() -> None:
+            m.zero_grad(set_to_none=True)
+            forward(m).backward()
+
+        return step
+
+    def held(m: Any) -> int | None:
+        if device.type != "cuda":
+            return None
+        m.zero_grad(set_to_none=True)
+        _sync(device)
+        before = torch.cuda.memory_allocated(device)
+        loss = forward(m)
+        _sync(device)
+        kept = torch.cuda.memory_allocated(device) - before
+        loss.backward()
+        m.zero_grad(set_to_none=True)
+        return kept
+
+    def measured(m: Any, plan: Any, seconds: float) -> dict[str, Any]:
+        step = step_of(m)
+        step()
+        row = {
+            "kept_bytes": plan.kept_bytes,
+            "predicted_bytes": plan.predicted_bytes,
+            "held_bytes": held(m),
+            "plan_seconds": seconds,
+            "plan": plan.describe(),
+            "predicted_step_s": plan.step_seconds,
+        }
+        row.update(_peak(step, device))
+        row["step_time_s"] = _median_time(step, device, repeats)
+        row["tokens_per_s"] = batch * seq / row["step_time_s"]
+        return row
+
+    result: dict[str, Any] = {"seq": seq, "batch": batch, "rows": []}
+    step_of(plain)()
+    result["plain_step_s"] = _median_time(step_of(plain), device, repeats)
+    result["plain_held_bytes"] = held(plain)
+    model = act_hf.convert(copy.deepcopy(plain), level="L2")  # the scope, switched per layer
+    ckpt = act_hf.convert(copy.deepcopy(plain), level="L0")
+    exact = actcore.fit_budget(model, forward, 2**62, recompute=False, order="time").exact_bytes
+    result["exact_bytes"] = exact
+    for share in (0.4, 0.2, 0.1):
+        budget = int(share * exact)
+        row: dict[str, Any] = {"share": share, "budget": budget}
+        for name, m, kwargs in (
+            ("plan", model, {"order": "time"}),
+            ("ckpt", ckpt, {"levels": ("L0",), "order": "bytes"}),
+        ):
+            t0 = time.perf_counter()
+            try:
+                plan = actcore.fit_budget(m, forward, budget, **kwargs)
+            except ValueError as err:
+                row[name] = {"error": str(err)[:300]}
+                continue
+            row[name] = measured(m, plan, time.perf_counter() - t0)
+            row[name]["step_vs_plain"] = row[name]["step_time_s"] / result["plain_step_s"]
+            _free(device)
+        if "step_time_s" in row["plan"] and "step_time_s" in row.get("ckpt", {}):
+            row["plan_vs_ckpt"] = row["plan"]["step_time_s"] / row["ckpt"]["step_time_s"]
+        result["rows"].append(row)
+        _write(out / "part-plan-time.partial.json", result)
+    return result
+
+
 def part_profile(dry: bool, out: Path) -> dict[str, Any]:
     """Where an L3 ResNet-50 step spends its time: host (Python, dispatch) against device
     kernels, and the ops that cost most of each (torch.profiler, one step after 3 warm; for
@@ -948,6 +1041,7 @@ PART_FUNCS: dict[str, Callable[[bool, Path], dict[str, Any]]] = {
     "max-batch-ckpt": lambda dry, out: _max_batch("ckpt", dry, out),
     "max-batch-L3": lambda dry, out: _max_batch("L3", dry, out),
     "budget": part_budget,
+    "plan-time": part_plan_time,
 }
 
 
@@ -1009,6 +1103,20 @@ def summary(results: dict[str, Any]) -> list[str]:
                 else ""
             )
         )
+    timed = (get("plan-time") or {}).get("result") or {}
+    for row in timed.get("rows", []):
+        parts = []
+        for name in ("plan", "ckpt"):
+            r = row.get(name, {})
+            if "error" in r or not r:
+                parts.append(f"{name}: none fits")
+                continue
+            held = r["held_bytes"] / row["budget"] if r.get("held_bytes") else None
+            parts.append(
+                f"{name} {r['tokens_per_s']:9.0f} tok/s, x{r['step_vs_plain']:.2f} plain"
+                + (f", held x{held:.3f} of the budget" if held is not None else "")
+            )
+        lines.append(f"time plan at {row['share']:.0%} of exact: " + "; ".join(parts))
     if "max_batch" in budget:
         fitted = [s["batch"] for s in budget.get("steps", []) if s["fits"]]
         lines.append(

@@ -68,6 +68,11 @@ def test_dry_run_results_have_the_committed_format(dry_run) -> None:
         assert all(t["fits"] == (t["batch"] <= 4) for t in tries)
         assert parts[f"max-batch-{variant}"]["max_batch"] == 4
     assert parts["profile"]["L3"]["ops"] > parts["profile"]["fp"]["ops"] > 0
+    timed = parts["plan-time"]
+    assert [r["share"] for r in timed["rows"]] == [0.4, 0.2, 0.1]
+    first = timed["rows"][0]["plan"]  # the tiny Llama fits 40% of its exact bytes
+    assert first["kept_bytes"] <= timed["rows"][0]["budget"] and first["tokens_per_s"] > 0
+    assert "time plan at 40% of exact: plan" in text
     lines = text.splitlines()
     assert len([line for line in lines if line.startswith("resnet50 ")]) == 6
     sync = parts["sync"]  # counted on CUDA only; the dry run steps both models
