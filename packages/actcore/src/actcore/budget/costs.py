@@ -11,10 +11,9 @@ blocks in proportion to their exact forwards (what backward runs again); the mod
 scope's, measured with it compressing in the rest of the model alone and then in the
 blocks alone, over the blocks by how much longer their forwards took; and recompute with
 the scope on in the blocks (each block's input packed) over the blocks by how much longer
-their forwards took than with recompute alone. No share is less
-than what was measured of it directly (a longer forward; a block's forward, which a
-recompute runs again), so on a noisy machine a step measured faster than that counts as
-that. The model is additive, and reproduces the measured uniform steps:
+their forwards took than with recompute alone. No share is less than what was measured of
+it directly (a longer forward; a block's forward, which a recompute runs again), so on a
+noisy machine a step measured faster than that counts as that. The model is additive, and reproduces the measured uniform steps:
 ``step(config) = exact + sum(layer[level of l][l]) + sum(block[b] for b recomputed, or
 packed[b] where its scope is on) + sum(scope[u] for u compressing, not recomputed)``.
 
@@ -97,9 +96,8 @@ def step_times(
     took); with ``blocks`` among the units, one more: every block recomputed with its
     scope on (its input packed). Each share is at least what was measured of it directly:
     a layer's, or the scope's, longer forward; a block's forward, which recompute runs
-    again. Leaves the
-    Q-layers at ``names[0]``, no block recomputed, the scope exact, and each parameter's
-    ``.grad`` as it was."""
+    again. Leaves the Q-layers at ``names[0]``, no block recomputed, the scope exact, and
+    each parameter's ``.grad`` as it was."""
     units = list(units) if set_scope is not None else []
     watched = {
         **layers,
