@@ -4,11 +4,11 @@ bytes fit a capacity (a multiple-choice knapsack, with blocks that can be replac
 A :class:`Block` is a list of members, each a list of :class:`Option` (one is chosen per
 member: a Q-layer's level), and ``wholes``, options of which one may replace all of them
 (the block recomputed in backward, its members' own saves then recomputed, not kept; its
-input kept exact or packed). A Q-layer outside every block is a block of one member. :func:`solve` is a dynamic program
-over bytes counted in units of ``capacity / resolution`` (each option's bytes rounded to
-the nearest unit; with a unit of one byte it is exact): per block, the cheapest cost of
-each total of its members, cut to the points no lighter total beats; then those fronts
-combined block by block. Among the cheapest solutions it returns the lightest, so a
+input kept exact or packed). A Q-layer outside every block is a block of one member.
+:func:`solve` is a dynamic program over bytes counted in units of ``capacity /
+resolution`` (each option's bytes rounded to the nearest unit; with a unit of one byte it
+is exact): per block, the cheapest cost of each total of its members, cut to the points no
+lighter total beats; then those fronts combined block by block. Among the cheapest solutions it returns the lightest, so a
 smaller capacity never gets a heavier solution."""
 
 from __future__ import annotations
