@@ -3,7 +3,7 @@
 Whole steps (forward and backward) are timed with every Q-layer at each candidate level,
 and with every candidate block recomputed (the Q-layers exact), in ``rounds`` rounds that
 take the configurations in turn (so a drift of the machine's speed falls on all alike),
-after one untimed step each; the median of each is kept. During the same steps forward
+after one untimed step each. During the same steps forward
 hooks time each Q-layer's and each block's forward. A step's extra time at a level is
 split over the Q-layers in proportion to how much longer each one's forward took there
 (its packing: unpacking in backward follows the packing's size); recompute's, over the
@@ -11,11 +11,18 @@ blocks in proportion to their exact forwards (what backward runs again); the mod
 scope's, measured with it compressing in the rest of the model alone and then in the
 blocks alone, over the blocks by how much longer their forwards took; and recompute with
 the scope on in the blocks (each block's input packed) over the blocks by how much longer
-their forwards took than with recompute alone. No share is less than what was measured of
-it directly (a longer forward; a block's forward, which a recompute runs again), so on a
-noisy machine a step measured faster than that counts as that. The model is additive, and reproduces the measured uniform steps:
-``step(config) = exact + sum(layer[level of l][l]) + sum(block[b] for b recomputed, or
-packed[b] where its scope is on) + sum(scope[u] for u compressing, not recomputed)``.
+their forwards took than with recompute alone. Each configuration's extra time is the
+median over the rounds of its step less the exact step of the same round, so a drift of
+the machine between rounds cancels. No packing's share is less than what it added to its
+forward, so on a noisy machine a step measured faster than that counts as that. A
+recompute's share has no such floor: its block's checkpointed forward saves nothing,
+which can make up for much of running it again (on a 2-core CPU, recomputing the Llama
+4x512's four decoder layers added 9-24% to a step in which their forwards took about 30%).
+The model is additive: ``step(config) = exact + sum(layer[level of l][l]) + sum(block[b]
+for b recomputed, or packed[b] where its scope is on) + sum(scope[u] for u compressing,
+not recomputed)``; with every Q-layer at one level, or every block recomputed, it gives the
+exact step plus that configuration's measured extra (or, for a level, the layers' longer
+forwards where they add up to more).
 
 On CUDA the hooks record events and each step ends with a synchronisation; elsewhere they
 read ``time.perf_counter``. The times are kept per model, candidate levels, Q-layers,
@@ -94,10 +101,9 @@ def step_times(
     configurations, the scope on in ``""`` alone (its extra time is that unit's), and on in
     every other unit (its extra time split over them by how much longer their forwards
     took); with ``blocks`` among the units, one more: every block recomputed with its
-    scope on (its input packed). Each share is at least what was measured of it directly:
-    a layer's, or the scope's, longer forward; a block's forward, which recompute runs
-    again. Leaves the Q-layers at ``names[0]``, no block recomputed, the scope exact, and
-    each parameter's ``.grad`` as it was."""
+    scope on (its input packed). A packing's share is at least what it added to its
+    forward. Leaves the Q-layers at ``names[0]``, no block recomputed, the scope exact,
+    and each parameter's ``.grad`` as it was."""
     units = list(units) if set_scope is not None else []
     watched = {
         **layers,
@@ -152,32 +158,36 @@ def step_times(
         runs = forwards[config]
         return {n: statistics.median(r.get(n, 0.0) for r in runs) for n in watched}
 
+    def extra(config: tuple[str, bool, str], base: tuple[str, bool, str]) -> float:
+        """What ``config``'s step takes beyond ``base``'s: the median over the rounds of
+        the difference within each round (a drift between rounds cancels)."""
+        return statistics.median(a - b for a, b in zip(steps[config], steps[base], strict=True))
+
+    first = (names[0], False, "")
     uniform = [statistics.median(steps[(level, False, "")]) for level in names]
-    exact, exact_fwd = uniform[0], medians((names[0], False, ""))
+    exact, exact_fwd = uniform[0], medians(first)
     layer = [dict.fromkeys(layers, 0.0)]
-    for level, seconds in zip(names[1:], uniform[1:], strict=True):
+    for level in names[1:]:
         fwd = medians((level, False, ""))
         longer = {n: max(0.0, fwd[n] - exact_fwd[n]) for n in layers}
-        layer.append(_split(seconds - exact, longer))
+        layer.append(_split(extra((level, False, ""), first), longer))
     block: dict[str, float] = {}
     recomputed = None
     if blocks:
         recomputed = statistics.median(steps[(names[0], True, "")])
-        block = _split(recomputed - exact, {b: exact_fwd[b] for b in blocks})
-    scope: dict[str, float] = {}
+        weights = {b: exact_fwd[b] for b in blocks}  # no floor: the checkpointed forward
+        block = _split(extra((names[0], True, ""), first), weights, floor=False)  # saves
+    scope: dict[str, float] = {}  # nothing, which can make up for much of a recompute
     scoped = None
     if units:
-        rest = statistics.median(steps[(names[0], False, "rest")])
         if "" in units:
             fwd = medians((names[0], False, "rest"))
-            scope[""] = max(0.0, rest - exact, fwd[""] - exact_fwd[""])
+            scope[""] = max(0.0, extra((names[0], False, "rest"), first), fwd[""] - exact_fwd[""])
         scoped = exact + scope.get("", 0.0)
         if inner:
-            seconds = statistics.median(steps[(names[0], False, "blocks")])
             fwd = medians((names[0], False, "blocks"))
-            scope.update(
-                _split(seconds - exact, {u: max(0.0, fwd[u] - exact_fwd[u]) for u in inner})
-            )
+            longer = {u: max(0.0, fwd[u] - exact_fwd[u]) for u in inner}
+            scope.update(_split(extra((names[0], False, "blocks"), first), longer))
             scoped += sum(scope[u] for u in inner)
     packed: dict[str, float] = {}
     recomputed_packed = None
@@ -185,19 +195,20 @@ def step_times(
         recomputed_packed = statistics.median(steps[(names[0], True, "blocks")])
         fwd, plain = medians((names[0], True, "blocks")), medians((names[0], True, ""))
         longer = {b: max(0.0, fwd[b] - plain[b]) for b in packable}
-        extra = _split(recomputed_packed - recomputed, longer)
-        packed = {b: block[b] + extra[b] for b in packable}
+        more = _split(extra((names[0], True, "blocks"), (names[0], True, "")), longer)
+        packed = {b: block[b] + more[b] for b in packable}
     return StepTimes(
         exact, layer, block, uniform, recomputed, scope, scoped, packed, recomputed_packed
     )
 
 
-def _split(extra: float, weights: Mapping[str, float]) -> dict[str, float]:
-    """``extra`` seconds split in proportion to ``weights`` (evenly where they are all zero):
-    the forwards' extra seconds, each at least its own weight, where the step's measured
-    less (within the noise: a recompute takes at least its block's forward again)."""
+def _split(extra: float, weights: Mapping[str, float], floor: bool = True) -> dict[str, float]:
+    """``extra`` seconds (at least 0) split in proportion to ``weights`` (evenly where they
+    are all zero); with ``floor``, each share at least its own weight where the step's
+    extra measured less (the forwards' extra seconds: a packing takes at least what it
+    added to its forward, within the noise)."""
     total = sum(weights.values())
-    extra = max(0.0, extra, total)
+    extra = max(0.0, extra, total if floor else 0.0)
     if total <= 0:
         return {n: extra / len(weights) for n in weights} if weights else {}
     return {n: extra * w / total for n, w in weights.items()}

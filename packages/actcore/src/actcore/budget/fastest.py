@@ -12,7 +12,9 @@ of 1, an error of 1% of the gradient's squared norm costs as much as 1% more ste
 Bytes are not quite additive across modules, so the solution is measured; where it keeps
 more than the budget, it is solved again for a budget lowered by the excess (a few times
 at most), as the peak bound does, and if that does not settle, the largest target whose
-solution fits is bisected for (a dozen more forwards at most).
+solution fits is bisected for (a dozen more forwards at most); where it keeps more than 1%
+under the budget, it is solved again for a target raised by the slack, kept while it fits
+and costs less.
 """
 
 from __future__ import annotations
@@ -192,24 +194,39 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
 
     blocks_only = [block for _, _, block in parts]
 
-    def attempt(target: int) -> tuple[Any, int, int] | None:
-        """(configuration, bytes measured, bytes predicted) of the solution for ``target``."""
+    def attempt(target: int) -> tuple[Any, int, int, float] | None:
+        """(configuration, bytes measured, bytes predicted, cost) of the solution for
+        ``target``."""
         solution = solve(blocks_only, target) if target >= 0 else None
         if solution is None:
             return None
         config = configuration(solution.chosen)
-        return config, measured(*config)[0], solution.bytes
+        return config, measured(*config)[0], solution.bytes, solution.cost
+
+    def raised(found: tuple[Any, int, int, float], target: int) -> tuple[Any, int, int, float]:
+        """Where a fitting solution keeps more than 1% under the budget (the tables count
+        twice what Q-layers and the scope pack once), a solution for the target raised by
+        that slack, while it still fits and costs less."""
+        for _ in range(_TRIES):
+            slack = budget - found[1]
+            if slack <= budget // 100:
+                break
+            again = attempt(target + slack)
+            if again is None or again[1] > budget or again[3] >= found[3]:
+                break
+            found, target = again, target + slack
+        return found
 
     target, failed = budget, budget + 1
     for _ in range(_TRIES):  # lower the target by what the last solution kept too much
         found = attempt(target)
         if found is None:
             break
-        config, used, predicted = found
-        if used <= budget:
+        if found[1] <= budget:
+            config, used, predicted, _ = raised(found, target)
             return planned_as(config, used, predicted_bytes=predicted)
         failed = target
-        target = min(target - 1, target - (used - budget))
+        target = min(target - 1, target - (found[1] - budget))
     # the excess did not settle: bisect the target between nothing and the last that failed
     # (a solution's cost never falls as the target does: the largest that fits is cheapest)
     best, low, high = None, -1, failed
@@ -223,7 +240,7 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
         if found is not None:
             best = found
     if best is not None:
-        config, used, predicted = best
+        config, used, predicted, _ = best
         return planned_as(config, used, predicted_bytes=predicted)
     if smallest <= budget:  # the lightest configuration fits where the solutions did not
         return planned_as(least, smallest)
