@@ -184,7 +184,7 @@ def fastest_plan(problem: Problem, budget: int) -> MemoryPlan:
             levels,
             used,
             exact_bytes,
-            smallest,
+            min(smallest, used),  # a solution can measure lighter than the candidates
             recompute=tuple(recomputed),
             scope={u: u in on for u in units},
             step_seconds=p.times.predict({n: index[v] for n, v in levels.items()}, recomputed, on),
