@@ -106,3 +106,31 @@ def test_adapters_save_and_load_as_peft_does(tmp_path) -> None:
     loaded.eval()
     with torch.no_grad():
         assert torch.equal(model(input_ids=IDS).logits, loaded(input_ids=IDS).logits)
+
+
+def test_the_fastest_plan_fits_a_budget_on_a_lora_model() -> None:
+    """fit_budget(order="time") on a peft LoRA model converted at L2: within the budget,
+    what it keeps is what it predicted, the forward is the plain model's, bitwise, and the
+    adapters' gradients stay close."""
+    import actcore
+
+    plain = _lora_llama()
+    model = act_hf.convert(copy.deepcopy(plain), level="L2")
+    exact = actcore.fit_budget(model, INPUTS, "1000%", order="time").exact_bytes
+    plan = actcore.fit_budget(model, INPUTS, int(0.3 * exact), order="time")
+    assert plan.order == "time" and plan.kept_bytes <= plan.budget
+    with memory.track(model) as report:
+        out = model(**INPUTS)
+    del out
+    assert report.retained_bytes == plan.kept_bytes
+    losses, grads = [], []
+    for m in (plain, model):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        loss = m(**INPUTS).loss
+        loss.backward()
+        losses.append(loss)
+        grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
+    assert torch.equal(losses[0], losses[1])
+    assert grads[0].numel() == grads[1].numel()  # only the adapters train, in both
+    assert F.cosine_similarity(grads[0].double(), grads[1].double(), dim=0) > 0.95
