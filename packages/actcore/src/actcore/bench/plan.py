@@ -76,6 +76,11 @@ def _grads(model: nn.Module, loss: Loss, seed: int) -> list[Any]:
     return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
+def _device_of(model: nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (the CPU for a model without any)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
 def _step(model: nn.Module, loss: Loss, device: torch.device) -> float:
     sync_device(device)
     t0 = time.perf_counter()
@@ -157,8 +162,7 @@ def sweep_budgets(
     alone (``ckpt``: a copy converted at L0) and timed with ``plain``; one row each in
     ``rows`` (``row``'s fields first), the last a budget no plan fits where one is reached.
     ``loss(model)``: a training step's loss; ``draw``: the seed of the gradients compared."""
-    params = [p for p in plain.parameters()]
-    device = params[0].device if params else torch.device("cpu")
+    device = _device_of(plain)
     reference = _grads(plain, loss, draw)
     # the exact and the all-L3 bytes (the time order converts at its scope's level first)
     first = "time" if order == "time" else "bytes"
@@ -235,8 +239,7 @@ def compiled_budgets(
 
     if not fractions:
         return
-    params = list(plain.parameters())
-    device = params[0].device if params else torch.device("cpu")
+    device = _device_of(plain)
     reference = _grads(plain, loss, draw)
     for fraction in fractions:
         torch._dynamo.reset()

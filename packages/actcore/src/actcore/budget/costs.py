@@ -3,13 +3,13 @@
 Whole steps (forward and backward) are timed with every Q-layer at each candidate level,
 and with every candidate block recomputed (the Q-layers exact), in ``rounds`` rounds that
 take the configurations in turn (so a drift of the machine's speed falls on all alike),
-after one untimed step each. During the same steps forward
-hooks time each Q-layer's and each block's forward. A step's extra time at a level is
-split over the Q-layers in proportion to how much longer each one's forward took there
-(its packing: unpacking in backward follows the packing's size); recompute's, over the
-blocks in proportion to their exact forwards (what backward runs again); the model
-scope's, measured with it compressing in the rest of the model alone and then in the
-blocks alone, over the blocks by how much longer their forwards took; and recompute with
+after one untimed step each. During the same steps forward hooks time each Q-layer's and
+each block's forward. A step's extra time at a level is split over the Q-layers in
+proportion to how much longer each one's forward took there (its packing: unpacking in
+backward follows the packing's size); recompute's, over the blocks in proportion to their
+exact forwards (what backward runs again); the model scope's, measured with it
+compressing in the rest of the model alone and then in the blocks alone, over the blocks
+by how much longer their forwards took; and recompute with
 the scope on in the blocks (each block's input packed) over the blocks by how much longer
 their forwards took than with recompute alone. Each configuration's extra time is the
 median over the rounds of its step less the exact step of the same round, so a drift of

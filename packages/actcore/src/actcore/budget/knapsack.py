@@ -8,8 +8,8 @@ input kept exact or packed). A Q-layer outside every block is a block of one mem
 :func:`solve` is a dynamic program over bytes counted in units of ``capacity /
 resolution`` (each option's bytes rounded to the nearest unit; with a unit of one byte it
 is exact): per block, the cheapest cost of each total of its members, cut to the points no
-lighter total beats; then those fronts combined block by block. Among the cheapest solutions it returns the lightest, so a
-smaller capacity never gets a heavier solution."""
+lighter total beats; then those fronts combined block by block. Among the cheapest
+solutions it returns the lightest, so a smaller capacity never gets a heavier solution."""
 
 from __future__ import annotations
 

@@ -184,6 +184,7 @@ def fit_budget(
             set_scope_exact(model.get_submodule(unit), unit not in on)
 
     def set_recomputed_scope(recomputed: Sequence[str], on: Sequence[str]) -> None:
+        """Recompute the blocks of ``recomputed`` (not the others); the scope on in ``on``."""
         for name in blocks:
             set_recompute(model.get_submodule(name), name in recomputed)
         set_scope(on)
@@ -192,16 +193,12 @@ def fit_budget(
         """(Forwards are seeded, so a configuration measured once is not measured again.)"""
         key = (tuple(chosen), tuple(scoped), tuple(config[n] for n in layers))
         if key not in measured:
-            for name in blocks:
-                set_recompute(model.get_submodule(name), name in chosen)
-            set_scope(scoped)
+            set_recomputed_scope(chosen, scoped)
             measured[key] = measure(model, layers, forward, config)
         return measured[key]
 
     def peak(plan: MemoryPlan) -> int:
-        for name in blocks:
-            set_recompute(model.get_submodule(name), name in plan.recompute)
-        set_scope([u for u, on in plan.scope.items() if on])
+        set_recomputed_scope(plan.recompute, [u for u, on in plan.scope.items() if on])
         return step_peak_at(model, layers, forward, plan.levels)
 
     with preserved(model, layers):
