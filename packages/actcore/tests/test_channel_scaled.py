@@ -93,6 +93,36 @@ def test_joint_top_picks_the_dims_whose_product_moves_most() -> None:
     assert sorted(joint_top(q, k, -1, 2).tolist()) == [3, 9]
 
 
+def _views() -> list[tuple[torch.Tensor, int]]:
+    """Layouts a channel reduction meets: q's heads sliced from a fused qkv projection, a
+    transposed and an expanded tensor, NCHW and channels-last maps, a column slice."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(3, 10, 3 * 24, generator=g)
+    q = qkv[..., :24].view(3, 10, 4, 6).transpose(1, 2)
+    maps = torch.randn(2, 5, 7, 3, generator=g)
+    return [
+        (q, 3),
+        (q, 1),
+        (torch.randn(6, 8, generator=g).t(), 1),
+        (torch.randn(1, 5, 1, generator=g).expand(4, 5, 3), 1),
+        (maps, 1),
+        (maps.contiguous(memory_format=torch.channels_last)[:, :, 1:], 1),
+        (torch.randn(9, 12, generator=g)[:, 2:9], 1),
+        (q.float().to(torch.bfloat16), 3),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_channel_magnitudes_of_strided_views_are_exact(case: int) -> None:
+    from actcore.compressors.channel_scaled import _channel_amax
+
+    x, dim = _views()[case]
+    others = [d for d in range(x.dim()) if d != dim]
+    expected = x.float().abs().amax(dim=others, keepdim=True)
+    assert torch.equal(_channel_amax(x, dim), expected)
+    assert torch.equal(_channel_amax(x.contiguous(), dim), expected)
+
+
 def test_where_groups_mix_channels() -> None:
     assert channel_dim(torch.zeros(8, 64), 256) == -1
     assert channel_dim(torch.zeros(2, 8, 64), 256) == -1

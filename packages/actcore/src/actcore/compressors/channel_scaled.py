@@ -53,11 +53,40 @@ _MAX_SCALE = 2.0**20  # a channel is never divided by more (nor by a non-finite 
 def _channel_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Each channel's largest magnitude (float32, NaN where the channel has one), from two
     reductions: ``abs()`` first would make a temporary of ``x``'s size."""
-    others = [d for d in range(x.dim()) if d != dim]
     x = x.detach()
-    high = x.amax(dim=others, keepdim=True).float()
-    low = x.amin(dim=others, keepdim=True).float()
+    if _dense(x):
+        others = [d for d in range(x.dim()) if d != dim]
+        high = x.amax(dim=others, keepdim=True).float()
+        low = x.amin(dim=others, keepdim=True).float()
+    else:
+        high, low = _strided_extremes(x, dim)
     return torch.maximum(high, low.neg_())
+
+
+def _strided_extremes(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each channel's max and min (float32, shaped to broadcast against ``x``) of a tensor
+    that is not dense, such as the heads of q sliced from a fused qkv projection.
+
+    ATen's CPU reduction over such a view is 10-30x slower than over rows (0.5 ms for a
+    char GPT's q, 7.5 ms for a Llama's at sequence 2048): the channel dim goes last, the
+    other dims in memory order, and the dims next to it in memory join it in one row, so the
+    first reduction runs over whole rows and the second over the few channels per row."""
+    channels = x.shape[dim]
+    rows = x.movedim(dim, -1)
+    lead = sorted(range(rows.dim() - 1), key=rows.stride, reverse=True)
+    rows = rows.permute(*lead, rows.dim() - 1)
+    k = rows.dim() - 1  # rows' dims k.. lie next to each other in memory
+    while k > 0 and (
+        rows.shape[k - 1] == 1 or rows.stride(k - 1) == rows.stride(k) * rows.shape[k]
+    ):
+        k -= 1
+    rows = rows.flatten(k)
+    outer = tuple(range(k))
+    high = (rows.amax(dim=outer) if outer else rows).reshape(-1, channels).amax(0)
+    low = (rows.amin(dim=outer) if outer else rows).reshape(-1, channels).amin(0)
+    shape = [1] * x.dim()
+    shape[dim] = channels
+    return high.float().view(shape), low.float().view(shape)
 
 
 def _dense(x: torch.Tensor) -> bool:

@@ -88,7 +88,17 @@ def inlining_supported() -> bool:
 
 class SavedHooksGraph(torch.fx.GraphModule):
     """A one-node fx graph calling an actcore pack or unpack function: what PyTorch inlines
-    into compiled graphs, and an ordinary hook when called eagerly."""
+    into compiled graphs, and an ordinary hook when called eagerly.
+
+    Called, it runs the function directly (``act_fn``, the graph's one call): an eager step
+    calls a hook twice per saved tensor, and ``nn.Module``'s call machinery and the generated
+    ``forward`` took more time than a passed-through tensor's own handling. Tracing (AOTAutograd
+    inlining the hook) records the same function's ops either way."""
+
+    act_fn: Any
+
+    def __call__(self, x: Any) -> Any:
+        return self.act_fn(x)
 
 
 # ------------------------------------------------------------------------------ the eager half
@@ -324,6 +334,7 @@ def _one_call_graph(fn: Any, name: str) -> SavedHooksGraph:
     arg = graph.placeholder("x")
     graph.output(graph.call_function(fn, (arg,)))
     module = SavedHooksGraph(torch.nn.Module(), graph, class_name=name)
+    module.act_fn = fn
     _OWN_GRAPHS.add(module)
     return module
 

@@ -372,12 +372,12 @@ class SavedTensorHooks:
         """A handle on ``t``: kept as it is or packed, by policy and kind."""
         if not isinstance(t, Tensor):
             return t
+        if stash.is_stashed(t):  # a Q-layer packed it already (or needs it exact)
+            return self._passthrough(t, note=not is_param_like(t, self._param_ptrs))
         if t.layout != torch.strided or t.is_nested:  # sparse, nested: kept as they are
             return self._passthrough(t, note=not is_param_like(t, self._param_ptrs))
         if is_param_like(t, self._param_ptrs):
             return self._passthrough(t, note=False)
-        if stash.is_stashed(t):  # a Q-layer packed it already (or needs it exact)
-            return self._passthrough(t, note=True)
         if self.suspended() or not self.policy.compresses or self._keeps_exact(t):
             return self._passthrough(t, note=True)
         small = t.numel() < self.min_numel
