@@ -37,6 +37,11 @@ class Compressor:
         """Identifies the result of ``pack``: equal keys pack a tensor identically."""
         return (self.name,)
 
+    def parts_of(self, tensors: Tensors, meta: Any) -> tuple[Packing, ...]:
+        """The packings (held by others too) that ``unpack`` restores ``tensors`` from:
+        none but for a tensor rebuilt from others (:class:`~actcore.compressors.Derived`)."""
+        return ()
+
 
 IDENTITY = Compressor()
 

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from .base import Compressor, Tensors
+from .base import Compressor, Packing, Tensors
+from .restoring import restore
 
 __all__ = ["Derived"]
 
@@ -43,10 +44,19 @@ class Derived(Compressor):
         metas, counts = meta
         restored, i = [], 0
         for comp, part_meta, n in zip(self.parts, metas, counts, strict=True):
-            restored.append(None if comp is None else comp.unpack(tensors[i : i + n], part_meta))
+            restored.append(None if comp is None else restore(comp, tensors[i : i + n], part_meta))
             i += n
         with torch.no_grad():
             return self.fn(*restored)
+
+    def parts_of(self, tensors: Tensors, meta: Any) -> tuple[Packing, ...]:
+        metas, counts = meta
+        parts, i = [], 0
+        for comp, part_meta, n in zip(self.parts, metas, counts, strict=True):
+            if comp is not None:
+                parts.append(Packing(comp, tuple(tensors[i : i + n]), part_meta))
+            i += n
+        return tuple(parts)
 
     def key(self) -> tuple:
         return (self.name, id(self.fn), *(c and c.key() for c in self.parts))

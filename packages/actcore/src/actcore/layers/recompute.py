@@ -61,12 +61,14 @@ class RecomputeFunction(torch.autograd.Function):
     """``forward(x)``, keeping ``x`` compressed and recomputing ``forward`` in backward.
 
     ``normalize``: keep ``x`` divided by its root mean square per row (last dim) and that
-    scale exact (norms), else ``x`` itself (activations). ``params``: tensors ``forward``
-    uses that may need gradients (a norm's weight).
+    scale exact (norms), else ``x`` itself (activations). ``derivative``: ``(grad, x) ->``
+    the input's gradient, where the op has one reading its input only (``silu_backward``):
+    backward then skips the rerun (outside autocast; the gradient is bitwise the rerun's).
+    ``params``: tensors ``forward`` uses that may need gradients (a norm's weight).
     """
 
     @staticmethod
-    def forward(ctx, x, forward, layer, normalize, *params):
+    def forward(ctx, x, forward, layer, normalize, derivative, *params):
         out = forward(x)
         dtype = x.dtype
         state = forward_state(x.device)  # the rerun in backward runs under it too
@@ -90,6 +92,7 @@ class RecomputeFunction(torch.autograd.Function):
         derive_output(ctx, output, parts)  # whoever saves the output refers to these
         ctx.normalized, ctx.dtype, ctx.forward = normalize and comp.lossy, dtype, forward
         ctx.params, ctx.state = params, state
+        ctx.derivative = derivative if not params and state.autocast is None else None
         return out
 
     @staticmethod
@@ -100,7 +103,9 @@ class RecomputeFunction(torch.autograd.Function):
             observe(ctx, grad, norm=True)
         if ctx.normalized:
             x = (x / rstd).to(ctx.dtype)
-        needs = [ctx.needs_input_grad[0], *ctx.needs_input_grad[4:]]
+        if ctx.derivative is not None:  # (what autograd's formula for the op computes)
+            return ctx.derivative(grad, x), None, None, None, None
+        needs = [ctx.needs_input_grad[0], *ctx.needs_input_grad[5:]]
         x = x.detach().requires_grad_(needs[0])
         inputs = [x, *ctx.params]
         wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
@@ -108,14 +113,21 @@ class RecomputeFunction(torch.autograd.Function):
             out = ctx.forward(x)
             found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
         grads = [next(found) if need else None for need in needs]
-        return grads[0], None, None, None, *grads[1:]
+        return grads[0], None, None, None, None, *grads[1:]
+
+
+Derivative = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def recompute(
-    x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor], layer: Any
+    x: torch.Tensor,
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    layer: Any,
+    derivative: Derivative | None = None,
 ) -> torch.Tensor:
-    """``forward(x)`` for an elementwise activation, recomputed in backward (module doc)."""
-    return note_output(RecomputeFunction.apply(x, forward, layer, False))
+    """``forward(x)`` for an elementwise activation, recomputed in backward (module doc);
+    ``derivative``: see :class:`RecomputeFunction`."""
+    return note_output(RecomputeFunction.apply(x, forward, layer, False, derivative))
 
 
 class RecomputedModule(ConvertedLayer):
@@ -134,7 +146,9 @@ class RecomputedModule(ConvertedLayer):
             return self.plain_forward(x)
         if not self.act_normalize and not params and config.keep_derivatives:
             return keep_derivative(x, self.plain_forward, self)  # unbiased: see .derivative
-        out = RecomputeFunction.apply(x, self.plain_forward, self, self.act_normalize, *params)
+        out = RecomputeFunction.apply(
+            x, self.plain_forward, self, self.act_normalize, None, *params
+        )
         return note_output(out)
 
 

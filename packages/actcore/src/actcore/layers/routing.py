@@ -55,6 +55,8 @@ from .recompute import recompute
 from .roles import NORMALIZED
 from .stash import derive_from, in_checkpoint, note_output
 
+aten = torch.ops.aten
+
 __all__ = ["AttentionRouter", "FunctionalLayer", "FunctionalRouter"]
 
 _Handler = Callable[["FunctionalRouter", tuple, dict], Any]
@@ -151,9 +153,25 @@ def _fewbit(fn: Callable[..., Tensor], names: tuple[str, ...], smooth: bool = Tr
         torch_fn = getattr(torch, name) if name in ("sigmoid", "tanh") else getattr(F, name)
         if config.keep_derivatives:
             return keep_derivative(x, lambda t: torch_fn(t, **params), router.layer)
-        return recompute(x, lambda t: torch_fn(t, **params), router.layer)
+        found = _INPUT_DERIVATIVES.get(name)
+        derivative = None if found is None else (lambda g, t: found(g, t, params))
+        return recompute(x, lambda t: torch_fn(t, **params), router.layer, derivative)
 
     return handle
+
+
+# The input gradients of activations whose backward op reads only the input (autograd's own
+# formula for each, outside create_graph): a recomputed activation's backward calls it
+# instead of rerunning the forward to differentiate it.
+_INPUT_DERIVATIVES: dict[str, Callable[[Tensor, Tensor, dict], Tensor]] = {
+    "gelu": lambda g, x, p: aten.gelu_backward(g, x, approximate=p.get("approximate", "none")),
+    "silu": lambda g, x, p: aten.silu_backward(g, x),
+    "mish": lambda g, x, p: aten.mish_backward(g, x),
+    "hardswish": lambda g, x, p: aten.hardswish_backward(g, x),
+    "softplus": lambda g, x, p: aten.softplus_backward(
+        g, x, p.get("beta", 1.0), p.get("threshold", 20.0)
+    ),
+}
 
 
 # ---- normalization: the Q-layers' normalized-input scheme ----------------------------------

@@ -25,6 +25,7 @@ from ..compressors import (
     Swap,
     Tensors,
     ZeroValue,
+    restoring,
 )
 from ..compressors.channel_scaled import ChannelScales, scaled
 from ..config import LevelSpec, config
@@ -275,6 +276,7 @@ def stash(
             continue
         comp = how if isinstance(how, Compressor) else choose(layer, how, x)
         part = _pack_once(comp, x)
+        restoring.expect(part)  # (unstash reads it through restoring.restore)
         plan.append((len(part.tensors), part.compressor, part.meta))
         parts.append(part)
         tensors.extend(part.tensors)
@@ -487,7 +489,7 @@ def unstash(ctx: Any) -> list[torch.Tensor | None]:
     out: list[torch.Tensor | None] = []
     i = 0
     for n, comp, meta in ctx.act_plan:
-        out.append(None if comp is None else comp.unpack(tuple(saved[i : i + n]), meta))
+        out.append(None if comp is None else restoring.restore(comp, saved[i : i + n], meta))
         i += n
     return out
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ..compressors import Packing
+from ..compressors import Packing, restoring
 
 __all__ = [
     "INPLACE_MSG",
@@ -95,7 +95,7 @@ class Stored:
             unpack, values, packed_mask = self.enclosed
             packing = packing._replace(tensors=tuple(unpack(v) for v in values))
             mask = None if packed_mask is None else unpack(packed_mask)
-        out = packing.restore()
+        out = restoring.restore(*packing)
         if mask is not None:  # the ReLU's zeros exactly, the rest kept positive
             # (read straight from the bits: 10x faster on CPU than where() on the unpacked
             # mask, bitwise the same; Handle.restore runs this under no_grad)

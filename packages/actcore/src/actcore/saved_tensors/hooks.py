@@ -70,6 +70,7 @@ from ..compressors import (
     SeededQuantize,
     Swap,
     ZeroValue,
+    restoring,
 )
 from ..compressors.channel_scaled import scaled
 from ..layers import roles, stash
@@ -406,6 +407,7 @@ class SavedTensorHooks:
             view = (tuple(t.shape), tuple(t.stride()), offset)
             h = Handle.packed(t, base.shape, tuple(range(base.dim())), view=view)
         h.stored = Stored(earlier)
+        restoring.expect(earlier)
         return h
 
     def _pack_compressed(self, t: Tensor, key: str, bits: int | None) -> Handle:
@@ -425,6 +427,7 @@ class SavedTensorHooks:
             src, stored = hit[0](), hit[1]()
             if src is not None and stored is not None and src._version == t._version:
                 h.stored = stored
+                restoring.expect(stored.packing)
                 return h
         if bits is not None:  # a Q-layer packed this very tensor, or what it views
             earlier = stash.packing_of(t)
@@ -458,6 +461,7 @@ class SavedTensorHooks:
             tensors, meta = comp.pack(data)
         stored = Stored(Packing(comp, tuple(tensors), meta), mask)
         h.stored = stored
+        restoring.expect(stored.packing)
         if plain and mask is None and comp.lossy:  # a Q-layer saving t later reuses it
             stash.remember_packing(t, comp, tuple(tensors), meta)
         if self.stats is not None and bits is not None:
