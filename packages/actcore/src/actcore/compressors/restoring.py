@@ -38,10 +38,10 @@ class _Entry:
 
     __slots__ = ("comp", "expected", "refs", "value", "version")
 
-    def __init__(self, comp: Compressor) -> None:
+    def __init__(self, comp: Compressor, key: _Key, tensors: Tensors) -> None:
         # (held: the ids in the key, a Derived's function's among them, stay its own)
         self.comp = comp
-        self.refs: tuple[weakref.ref, ...] = ()
+        self.refs = tuple(weakref.ref(t, lambda _r: _forget(key, self)) for t in tensors)
         self.expected = 0
         self.value: torch.Tensor | None = None
         self.version = 0
@@ -53,17 +53,34 @@ class _Entry:
 
 
 _TABLE: dict[_Key, _Entry] = {}
-_LOCK = threading.Lock()  # (backward may run on one thread per device)
-
-
-def _key(comp: Compressor, tensors: Tensors) -> _Key:
-    return (comp.key(), *map(id, tensors))
+_LOCK = threading.RLock()  # (backward may run on one thread per device; a tensor freed
+# while it is held can call _forget)
 
 
 def _forget(key: _Key, entry: _Entry) -> None:
+    """A packed tensor died: its entry goes, and what it held with it."""
     with _LOCK:
+        entry.value = None
         if _TABLE.get(key) is entry:
             del _TABLE[key]
+
+
+def _found(comp: Compressor, tensors: Tensors) -> tuple[_Key, _Entry | None]:
+    """The packing's key and its live entry, if any (under ``_LOCK``)."""
+    key = (comp.key(), *map(id, tensors))
+    entry = _TABLE.get(key)
+    return key, entry if entry is not None and entry.holds(tensors) else None
+
+
+def _read(key: _Key, entry: _Entry) -> bool:
+    """Count one read of ``entry``; whether it was the last expected (under ``_LOCK``)."""
+    entry.expected -= 1
+    if entry.expected > 0:
+        return False
+    entry.value = None
+    if _TABLE.get(key) is entry:
+        del _TABLE[key]
+    return True
 
 
 def _shared(comp: Compressor, tensors: Tensors) -> bool:
@@ -76,16 +93,10 @@ def expect(packing: Packing) -> None:
     comp, tensors = packing.compressor, tuple(packing.tensors)
     if not _shared(comp, tensors):
         return
-    key = _key(comp, tensors)
     with _LOCK:
-        entry = _TABLE.get(key)
-        if entry is None or not entry.holds(tensors):
-            entry = _Entry(comp)
-            entry.refs = tuple(
-                weakref.ref(t, lambda _r, key=key, entry=entry: _forget(key, entry))
-                for t in tensors
-            )
-            _TABLE[key] = entry
+        key, entry = _found(comp, tensors)
+        if entry is None:
+            entry = _TABLE[key] = _Entry(comp, key, tensors)
         entry.expected += 1
     for part in comp.parts_of(tensors, packing.meta):
         expect(part)
@@ -96,14 +107,10 @@ def _consume(packing: Packing) -> None:
     comp, tensors = packing.compressor, tuple(packing.tensors)
     if not _shared(comp, tensors):
         return
-    key = _key(comp, tensors)
     with _LOCK:
-        entry = _TABLE.get(key)
-        if entry is None or not entry.holds(tensors):
-            return
-        entry.expected -= 1
-        if entry.expected <= 0:
-            del _TABLE[key]
+        key, entry = _found(comp, tensors)
+        if entry is not None:
+            _read(key, entry)
     for part in comp.parts_of(tensors, packing.meta):
         _consume(part)
 
@@ -114,14 +121,11 @@ def restore(comp: Compressor, tensors: Tensors, meta: Any) -> torch.Tensor:
     tensors = tuple(tensors)
     if not _shared(comp, tensors):
         return comp.unpack(tensors, meta)
-    key = _key(comp, tensors)
     with _LOCK:
-        entry = _TABLE.get(key)
-        if entry is not None and not entry.holds(tensors):
-            entry = None
+        key, entry = _found(comp, tensors)
         value = None if entry is None else entry.value
-        if value is not None and value._version != entry.version:  # changed by a reader
-            value = entry.value = None
+        if entry is not None and value is not None and value._version != entry.version:
+            value = entry.value = None  # a reader changed it in place
     if entry is None:
         return comp.unpack(tensors, meta)
     if value is None:
@@ -130,13 +134,9 @@ def restore(comp: Compressor, tensors: Tensors, meta: Any) -> torch.Tensor:
         for part in comp.parts_of(tensors, meta):
             _consume(part)
     with _LOCK:
-        entry.expected -= 1
-        if entry.expected <= 0 or torch.is_grad_enabled():
-            entry.value = None
-            if entry.expected <= 0 and _TABLE.get(key) is entry:
-                del _TABLE[key]
-        else:
-            entry.value, entry.version = value, value._version
+        if not _read(key, entry):
+            shared = not torch.is_grad_enabled()  # (a create_graph backward: its own)
+            entry.value, entry.version = (value, value._version) if shared else (None, 0)
     return value
 
 
