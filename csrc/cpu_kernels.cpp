@@ -11,9 +11,10 @@
 //
 // Speed: each group is read once for its min/max and once (from cache) for its codes;
 // codes go through a small buffer, 8 at a time into bit planes (one 64-bit multiply per
-// plane). Work is split over groups with at::parallel_for. On x86-64 the loops are compiled
-// twice, for the baseline ISA and for AVX2, and the variant is picked at run time, so a
-// cached library runs on any x86-64 CPU.
+// plane; back through a 256-entry table), the bit count a template argument. Work is split
+// over groups with at::parallel_for. On x86-64 the loops are compiled twice, for the
+// baseline ISA and for AVX2, and the variant is picked at run time, so a cached library
+// runs on any x86-64 CPU.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -38,6 +39,10 @@
 #include <utility>
 
 #if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#if defined(__GNUC__) && defined(__x86_64__)
 #define ACTCORE_X86 1
 #define ACTCORE_AVX2 __attribute__((target("avx2")))
 #else
@@ -56,7 +61,7 @@ namespace actcore_cpu {
 namespace {
 
 // Bumped whenever the registered ops or the C entry points change; loader.py checks it.
-constexpr int kAbiVersion = 4;
+constexpr int kAbiVersion = 5;
 constexpr int64_t kChunk = 1024;           // elements per inner pass (a multiple of 8)
 constexpr int64_t kGrainElements = 1 << 15;  // least work per parallel task
 constexpr uint32_t kMultA = 0x21F0AAADu;
@@ -165,29 +170,66 @@ ACTCORE_INLINE uint8_t gather_plane(uint64_t w, int j) {
   return static_cast<uint8_t>((((w >> j) & kLowBits) * 0x0102040810204080ull) >> 56);
 }
 
-// Bit t of b to bit 0 of byte t.
-ACTCORE_INLINE uint64_t scatter_plane(uint8_t b) {
-  const uint64_t spread = (static_cast<uint64_t>(b) * kLowBits) & 0x8040201008040201ull;
-  return ((spread + 0x7F7F7F7F7F7F7F7Full) >> 7) & kLowBits;
-}
+// Bit t of byte b at bit 0 of byte t, for every b: unpacking looks a plane up (a load, a
+// shift and an or per plane).
+struct SpreadTable {
+  uint64_t of[256];
+  constexpr SpreadTable() : of() {
+    for (int b = 0; b < 256; ++b) {
+      uint64_t w = 0;
+      for (int t = 0; t < 8; ++t) w |= static_cast<uint64_t>((b >> t) & 1) << (8 * t);
+      of[b] = w;
+    }
+  }
+};
+constexpr SpreadTable kSpread{};
 
-// `blocks` blocks of 8 uint8 values -> `bits` bytes each.
-ACTCORE_INLINE void pack_blocks(const uint8_t* values, int64_t blocks, int bits, uint8_t* out) {
+// `blocks` blocks of 8 uint8 values -> `Bits` bytes each (the planes unrolled).
+template <int Bits>
+ACTCORE_INLINE void pack_blocks_of(const uint8_t* values, int64_t blocks, uint8_t* out) {
   for (int64_t b = 0; b < blocks; ++b) {
     uint64_t w;
     std::memcpy(&w, values + 8 * b, sizeof(w));
-    uint8_t* o = out + b * bits;
-    for (int j = 0; j < bits; ++j) o[j] = gather_plane(w, j);
+    uint8_t planes[Bits];
+    for (int j = 0; j < Bits; ++j) planes[j] = gather_plane(w, j);
+    std::memcpy(out + b * Bits, planes, Bits);
   }
 }
 
-ACTCORE_INLINE void unpack_blocks(const uint8_t* in, int64_t blocks, int bits, uint8_t* values) {
+template <int Bits>
+ACTCORE_INLINE void unpack_blocks_of(const uint8_t* in, int64_t blocks, uint8_t* values) {
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* p = in + b * bits;
+    const uint8_t* p = in + b * Bits;
     uint64_t w = 0;
-    for (int j = 0; j < bits; ++j) w |= scatter_plane(p[j]) << j;
+    for (int j = 0; j < Bits; ++j) w |= kSpread.of[p[j]] << j;
     std::memcpy(values + 8 * b, &w, sizeof(w));
   }
+}
+
+// The bit count as a template argument: each case's loops are straight-line code.
+#define ACTCORE_BY_BITS(bits, call)       \
+  switch (bits) {                         \
+    case 1: call(1); break;               \
+    case 2: call(2); break;               \
+    case 3: call(3); break;               \
+    case 4: call(4); break;               \
+    case 5: call(5); break;               \
+    case 6: call(6); break;               \
+    case 7: call(7); break;               \
+    default: call(8); break;              \
+  }
+
+// `blocks` blocks of 8 uint8 values -> `bits` bytes each.
+ACTCORE_INLINE void pack_blocks(const uint8_t* values, int64_t blocks, int bits, uint8_t* out) {
+#define ACTCORE_PACK(B) pack_blocks_of<B>(values, blocks, out)
+  ACTCORE_BY_BITS(bits, ACTCORE_PACK)
+#undef ACTCORE_PACK
+}
+
+ACTCORE_INLINE void unpack_blocks(const uint8_t* in, int64_t blocks, int bits, uint8_t* values) {
+#define ACTCORE_UNPACK(B) unpack_blocks_of<B>(in, blocks, values)
+  ACTCORE_BY_BITS(bits, ACTCORE_UNPACK)
+#undef ACTCORE_UNPACK
 }
 
 // ---------------------------------------------------------------- float helpers
@@ -1023,10 +1065,87 @@ at::Tensor hash_uniform_cpu(const at::Tensor& index, int64_t seed) {
   return out;
 }
 
+// Bytes [b0, b1) of pack_mask(!(x <= 0)): bit t of byte b is set where element 8b + t is
+// above zero or NaN (torch's relu backward passes the gradient there).
+template <typename scalar_t>
+ACTCORE_INLINE void relu_mask_bytes(const scalar_t* x, int64_t n, uint8_t* out, int64_t b0,
+                                    int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t i0 = 8 * b;
+    const int64_t m = std::min<int64_t>(8, n - i0);
+    unsigned byte = 0;
+    for (int64_t t = 0; t < m; ++t) {
+      const auto v = static_cast<typename Acc<scalar_t>::type>(x[i0 + t]);
+      byte |= static_cast<unsigned>(!(v <= 0)) << t;
+    }
+    out[b] = static_cast<uint8_t>(byte);
+  }
+}
+
+#if ACTCORE_X86
+// The float32 case, 8 elements (one output byte) per compare: an ordered "<= 0" is false
+// for NaN, so its inverted sign mask sets NaN's bit too.
+ACTCORE_AVX2 void avx2_relu_mask_float(const float* x, int64_t n, uint8_t* out, int64_t b0,
+                                       int64_t b1) {
+  const int64_t full = std::min(b1, n / 8);
+  const __m256 zero = _mm256_setzero_ps();
+  int64_t b = b0;
+  for (; b < full; ++b) {
+    const __m256 v = _mm256_loadu_ps(x + 8 * b);
+    const int le = _mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_LE_OQ));
+    out[b] = static_cast<uint8_t>(~le);
+  }
+  if (b < b1) relu_mask_bytes<float>(x, n, out, b, b1);
+}
+#endif
+
+template <typename scalar_t>
+void relu_mask_parallel(const at::Tensor& xc, at::Tensor& out) {
+  const auto* x = static_cast<const scalar_t*>(xc.const_data_ptr());
+  uint8_t* o = out.mutable_data_ptr<uint8_t>();
+  const int64_t n = xc.numel();
+  at::parallel_for(0, (n + 7) / 8, kGrainElements / 8, [&](int64_t b0, int64_t b1) {
+#if ACTCORE_X86
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (has_avx2()) return avx2_relu_mask_float(x, n, o, b0, b1);
+    }
+#endif
+    relu_mask_bytes<scalar_t>(x, n, o, b0, b1);
+  });
+}
+
+at::Tensor relu_mask_cpu(const at::Tensor& x) {
+  constexpr const char* op = "actcore::relu_mask";
+  check_cpu(x, op, "x");
+  check_float(x.scalar_type(), op);
+  const int64_t n = x.numel();
+  at::Tensor out = at::empty({(n + 7) / 8}, x.options().dtype(at::kByte));
+  if (n == 0) return out;
+  const at::Tensor xc = x.contiguous();  // row-major order, as reshape(-1)
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      relu_mask_parallel<float>(xc, out);
+      break;
+    case at::kHalf:
+      relu_mask_parallel<c10::Half>(xc, out);
+      break;
+    case at::kBFloat16:
+      relu_mask_parallel<c10::BFloat16>(xc, out);
+      break;
+    default:
+      relu_mask_parallel<double>(xc, out);
+      break;
+  }
+  return out;
+}
+
+// The CPU-only ops (CUDA runs their references, made of the other ops).
+void register_cpu_only(torch::Library& lib) { lib.impl("relu_mask", TORCH_FN(relu_mask_cpu)); }
+
 actcore_registration::Registration<quantize_cpu, dequantize_cpu, pack_bits_cpu, unpack_bits_cpu,
                                    hash_uniform_cpu, masked_quantize_cpu, masked_dequantize_cpu,
                                    apply_mask_cpu, masked_quantize_padded_cpu>
-    registration{c10::DispatchKey::CPU};
+    registration{c10::DispatchKey::CPU, register_cpu_only};
 
 }  // namespace
 }  // namespace actcore_cpu

@@ -1,7 +1,7 @@
-// Registration of one device's kernels for the nine actcore::* ops, shared by the CPU
-// (cpu_kernels.cpp) and CUDA (ops.cpp) libraries: one torch::Library for the dispatch key,
-// made once under a lock, undone if any impl fails; errors come back as a message for the
-// loader's warning instead of an abort.
+// Registration of one device's kernels for the nine actcore::* ops (and the CPU library's
+// own further ones), shared by the CPU (cpu_kernels.cpp) and CUDA (ops.cpp) libraries: one
+// torch::Library for the dispatch key, made once under a lock, undone if any impl fails;
+// errors come back as a message for the loader's warning instead of an abort.
 #pragma once
 
 #include <c10/core/DispatchKey.h>
@@ -20,7 +20,9 @@ template <auto Quantize, auto Dequantize, auto PackBits, auto UnpackBits, auto H
           auto MaskedQuantize, auto MaskedDequantize, auto ApplyMask, auto MaskedQuantizePadded>
 class Registration {
  public:
-  explicit Registration(c10::DispatchKey key) : key_(key) {}
+  // `extra`: registers this device's kernels of further ops (the CPU library's own ones).
+  explicit Registration(c10::DispatchKey key, void (*extra)(torch::Library&) = nullptr)
+      : key_(key), extra_(extra) {}
 
   // Registers the kernels (later calls do nothing while they are). Returns 0, or 1 with the
   // reason in `message` (NUL-terminated, at most `size` bytes).
@@ -39,6 +41,7 @@ class Registration {
         lib->impl("masked_dequantize", TORCH_FN(MaskedDequantize));
         lib->impl("apply_mask", TORCH_FN(ApplyMask));
         lib->impl("masked_quantize_padded", TORCH_FN(MaskedQuantizePadded));
+        if (extra_ != nullptr) extra_(*lib);
         library_ = std::move(lib);  // on an exception, `lib` undoes what it registered
       }
       return 0;
@@ -56,6 +59,7 @@ class Registration {
 
  private:
   c10::DispatchKey key_;
+  void (*extra_)(torch::Library&);
   std::mutex mutex_;
   std::unique_ptr<torch::Library> library_;
 };

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-OPCHECK_CASES = 15
+OPCHECK_CASES = 17
 
 
 def assert_same(native: torch.Tensor, reference: torch.Tensor, what: str) -> None:
@@ -118,6 +118,8 @@ def opcheck_cases(device: str) -> list[tuple[object, tuple]]:
         (torch.ops.actcore.apply_mask.default, (x, mask)),
         (torch.ops.actcore.apply_mask.default, (x.t().double(), mask)),
         (torch.ops.actcore.masked_quantize_padded.default, (relu.half(), mask, 3, 24, True, 7)),
+        (torch.ops.actcore.relu_mask.default, (x,)),
+        (torch.ops.actcore.relu_mask.default, (nchw.half(),)),
     ]
 
 

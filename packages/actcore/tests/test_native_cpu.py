@@ -31,7 +31,7 @@ from native_cases import (
 
 from actcore import ops
 from actcore.native import loader
-from actcore.ops import bitpack, masked, noise, quantization
+from actcore.ops import bitpack, library, masked, noise, quantization
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 GROUP_SIZES = (8, 24, 256, 512)
@@ -237,6 +237,24 @@ def test_the_front_end_runs_the_cpu_kernels(native_cpu):
 
 def test_errors_are_clear(native_cpu):
     check_errors_are_clear("cpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_relu_mask_is_the_reference_bit_for_bit(native_cpu, dtype):
+    """One pass over x gives pack_mask(~(x <= 0)): NaN and +inf set, both zeros clear, every
+    length around a byte's and a vector's end, strided and channels-last inputs."""
+    special = torch.tensor([float("nan"), -0.0, 0.0, float("inf"), -float("inf"), 1e-30, -1e-30])
+    for n in (0, 1, 7, 8, 9, 63, 64, 65, 1000, 70001):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+        x[: min(n, 7)] = special[: min(n, 7)].double()
+        x = x.to(dtype)
+        assert_same(ops.relu_mask(x), library._relu_mask_reference(x), f"relu_mask n={n}")
+    nchw = torch.randn(2, 5, 3, 7, dtype=dtype).to(memory_format=torch.channels_last)
+    assert_same(ops.relu_mask(nchw), library._relu_mask_reference(nchw), "channels-last")
+    strided = torch.randn(9, 40, dtype=dtype).t()
+    assert_same(ops.relu_mask(strided), library._relu_mask_reference(strided), "transposed")
+    x = torch.randn(100, dtype=dtype)
+    assert torch.equal(ops.unpack_mask(ops.relu_mask(x), x.shape), ~(x <= 0))
 
 
 # ------------------------------------------------------------------------------ opcheck

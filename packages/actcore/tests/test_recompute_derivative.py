@@ -77,3 +77,78 @@ def test_under_autocast_the_forward_is_rerun(small_tensors: None) -> None:
         out.float().square().sum().backward()
     runs = sum(e.count for e in prof.key_averages() if e.key == "aten::silu")
     assert runs >= 2 and all(p.grad is not None for p in model.parameters())
+
+
+class InPlaceBlock(nn.Module):
+    """fc1, an activation written into fc1's output (``inplace=True``), fc2."""
+
+    def __init__(self, act, inplace: bool) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.act, self.inplace = (
+            nn.Linear(32, 64),
+            nn.Linear(64, 8),
+            act,
+            inplace,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x), inplace=self.inplace))
+
+
+IN_PLACE = {"hardswish": F.hardswish, "silu": F.silu, "mish": F.mish, "elu": F.elu}
+
+
+@pytest.mark.parametrize("name", list(IN_PLACE))
+def test_in_place_activations_are_recomputed_like_out_of_place_ones(
+    name: str, small_tensors: None
+) -> None:
+    """``F.hardswish(h, inplace=True)`` (MobileNetV3's blocks) goes the recomputed route, not
+    the saved-tensor hooks: the input is packed before it is overwritten. The forward is the
+    plain model's bit for bit and the gradients are the out-of-place twin's bit for bit (the
+    same packings, the same rounding seeds); elu has no input-only backward op, so its
+    backward reruns the out-of-place forward."""
+    from actcore.layers.recompute import RecomputeFunction
+
+    act = IN_PLACE[name]
+    torch.manual_seed(0)
+    plain = InPlaceBlock(act, inplace=True)
+    model, twin = copy.deepcopy(plain), copy.deepcopy(plain)
+    twin.inplace = False
+    actcore.convert(model, level="L2")
+    actcore.convert(twin, level="L2")
+    x = torch.randn(16, 32) * 3
+    outs, grads = [], []
+    for m in (model, twin, plain):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        out = m(x)
+        out.square().sum().backward()
+        outs.append(out)
+        grads.append([p.grad for p in m.parameters()])
+    assert torch.equal(outs[0], outs[2])
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True))
+    seen = []
+    hook = model.fc2.register_forward_pre_hook(lambda _, args: seen.append(args[0].grad_fn))
+    model(x)
+    hook.remove()
+    assert type(seen[0]).__name__ == f"{RecomputeFunction.__name__}Backward"
+
+
+class LeafSilu(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.silu(x, inplace=True))
+
+
+def test_an_in_place_activation_on_a_leaf_raises_as_the_plain_op(small_tensors: None) -> None:
+    """A leaf that requires grad cannot be overwritten: autograd's own error, as plain."""
+    model = LeafSilu()
+    leaf = "a leaf Variable that requires grad (is being|has been) used in an in-place"
+    with pytest.raises(RuntimeError, match=leaf):
+        model(torch.randn(4, 64, requires_grad=True))
+    actcore.convert(model, level="L2")
+    with pytest.raises(RuntimeError, match=leaf):
+        model(torch.randn(4, 64, requires_grad=True))

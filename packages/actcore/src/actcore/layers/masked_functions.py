@@ -34,18 +34,17 @@ class MaskedActivationFunction(torch.autograd.Function):
     def forward(ctx, x, kind, param, inplace, layer):
         if kind == "relu":
             out = torch.relu_(x) if inplace else torch.relu(x)
-            # as torch's threshold_backward: NaN passes the gradient (one bool map, in place)
-            mask = (out <= 0).bitwise_not_()
+            # as torch's threshold_backward: NaN passes the gradient
+            packed = ops.relu_mask(out)
         elif kind == "leaky_relu":
-            mask = x > 0
+            packed = ops.pack_mask(x > 0)  # (before an in-place forward)
             out = torch.nn.functional.leaky_relu(x, param, inplace=inplace)
         else:
             lo, hi = param
-            mask = ~((x <= lo) | (x >= hi))
+            packed = ops.pack_mask(~((x <= lo) | (x >= hi)))
             out = torch.nn.functional.hardtanh(x, lo, hi, inplace=inplace)
         if inplace:
             ctx.mark_dirty(x)
-        packed = ops.pack_mask(mask)
         ctx.kind, ctx.param, ctx.shape = kind, param, x.shape
         stash(ctx, layer, [(packed, IDENTITY)])
         ctx.act_mask = packed  # read back by the module: see note_output_mask

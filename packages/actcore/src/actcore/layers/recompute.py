@@ -64,15 +64,27 @@ class RecomputeFunction(torch.autograd.Function):
     scale exact (norms), else ``x`` itself (activations). ``derivative``: ``(grad, x) ->``
     the input's gradient, where the op has one reading its input only (``silu_backward``):
     backward then skips the rerun (outside autocast; the gradient is bitwise the rerun's).
+    ``in_place``: the same op writing into ``x`` (an activation called with ``inplace=True``):
+    ``x`` is packed first, then overwritten and returned, as autograd's own in-place op does
+    with the copy of ``x`` it saves; ``forward`` (out of place) still serves the rerun.
     ``params``: tensors ``forward`` uses that may need gradients (a norm's weight).
     """
 
     @staticmethod
-    def forward(ctx, x, forward, layer, normalize, derivative, *params):
-        out = forward(x)
+    def forward(ctx, x, forward, layer, normalize, derivative, in_place, *params):
         dtype = x.dtype
         state = forward_state(x.device)  # the rerun in backward runs under it too
         comp = choose(layer, ROW_NORM if normalize else ACTIVATION, x)
+        if in_place is not None:
+            if normalize:
+                raise ValueError("RecomputeFunction: in_place is for activations, not norms")
+            kept = x if comp.lossy else x.clone()  # (what autograd's in-place op keeps)
+            parts = stash(ctx, layer, [(kept, comp), (None, IDENTITY)])
+            ctx.act_versions = []  # (x is this op's output now: autograd tracks it)
+            out = in_place(x)
+            ctx.mark_dirty(out)
+        else:
+            out = forward(x)
         if normalize and comp.lossy:  # the error is then relative to each row's own scale
             rstd = x.float().square().mean(-1, keepdim=True)
             rstd = rstd.clamp_min_(torch.finfo(torch.float32).tiny).rsqrt_()
@@ -83,7 +95,8 @@ class RecomputeFunction(torch.autograd.Function):
                     return forward((x_hat / rstd).to(dtype))
 
         else:
-            parts = stash(ctx, layer, [(x, comp), (None, IDENTITY)])
+            if in_place is None:
+                parts = stash(ctx, layer, [(x, comp), (None, IDENTITY)])
 
             def output(x: torch.Tensor, _: None) -> torch.Tensor:
                 with replayed(state):
@@ -104,8 +117,8 @@ class RecomputeFunction(torch.autograd.Function):
         if ctx.normalized:
             x = (x / rstd).to(ctx.dtype)
         if ctx.derivative is not None:  # (what autograd's formula for the op computes)
-            return ctx.derivative(grad, x), None, None, None, None
-        needs = [ctx.needs_input_grad[0], *ctx.needs_input_grad[5:]]
+            return ctx.derivative(grad, x), None, None, None, None, None
+        needs = [ctx.needs_input_grad[0], *ctx.needs_input_grad[6:]]
         x = x.detach().requires_grad_(needs[0])
         inputs = [x, *ctx.params]
         wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
@@ -113,7 +126,7 @@ class RecomputeFunction(torch.autograd.Function):
             out = ctx.forward(x)
             found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
         grads = [next(found) if need else None for need in needs]
-        return grads[0], None, None, None, None, *grads[1:]
+        return grads[0], None, None, None, None, None, *grads[1:]
 
 
 Derivative = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -124,10 +137,12 @@ def recompute(
     forward: Callable[[torch.Tensor], torch.Tensor],
     layer: Any,
     derivative: Derivative | None = None,
+    in_place: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``forward(x)`` for an elementwise activation, recomputed in backward (module doc);
-    ``derivative``: see :class:`RecomputeFunction`."""
-    return note_output(RecomputeFunction.apply(x, forward, layer, False, derivative))
+    ``derivative``, ``in_place`` (the op writing into ``x``, which it then returns): see
+    :class:`RecomputeFunction`."""
+    return note_output(RecomputeFunction.apply(x, forward, layer, False, derivative, in_place))
 
 
 class RecomputedModule(ConvertedLayer):
@@ -147,7 +162,7 @@ class RecomputedModule(ConvertedLayer):
         if not self.act_normalize and not params and config.keep_derivatives:
             return keep_derivative(x, self.plain_forward, self)  # unbiased: see .derivative
         out = RecomputeFunction.apply(
-            x, self.plain_forward, self, self.act_normalize, None, *params
+            x, self.plain_forward, self, self.act_normalize, None, None, *params
         )
         return note_output(out)
 

@@ -147,7 +147,8 @@ def _fewbit(fn: Callable[..., Tensor], names: tuple[str, ...], smooth: bool = Tr
         bits = router.fewbit_bits if smooth else 1
         if bits is not None:
             return fn(x, **params, bits=bits)
-        if params.get("inplace") or router.spec.conv_bits is None:
+        in_place = params.pop("inplace", False)
+        if router.spec.conv_bits is None or (in_place and config.keep_derivatives):
             return NotImplemented
         name = fn.__name__
         torch_fn = getattr(torch, name) if name in ("sigmoid", "tanh") else getattr(F, name)
@@ -155,7 +156,8 @@ def _fewbit(fn: Callable[..., Tensor], names: tuple[str, ...], smooth: bool = Tr
             return keep_derivative(x, lambda t: torch_fn(t, **params), router.layer)
         found = _INPUT_DERIVATIVES.get(name)
         derivative = None if found is None else (lambda g, t: found(g, t, params))
-        return recompute(x, lambda t: torch_fn(t, **params), router.layer, derivative)
+        writer = (lambda t: torch_fn(t, **params, inplace=True)) if in_place else None
+        return recompute(x, lambda t: torch_fn(t, **params), router.layer, derivative, writer)
 
     return handle
 

@@ -32,6 +32,7 @@ import torch
 
 __all__ = [
     "CPU_DEFAULT_ON",
+    "CPU_ONLY_OPS",
     "OPS",
     "NativeUnavailableWarning",
     "call",
@@ -61,6 +62,7 @@ OPS = (
     "apply_mask",
     "masked_quantize_padded",
 )
+CPU_ONLY_OPS = ("relu_mask",)  # CPU kernels only: on CUDA their references run
 _OFF = {"0", "off", "false", "no"}
 _ON = {"1", "on", "true", "yes"}
 CPU_DEFAULT_ON = True  # the CPU kernels load on the first op on a CPU tensor
@@ -126,7 +128,7 @@ def _open(library: str | os.PathLike, prefix: str, abi_version: int) -> ctypes.C
     from .build import NativeBuildError
 
     # the schemas come from actcore.ops.library, which the actcore package imports first
-    undefined = [op for op in OPS if not hasattr(torch.ops.actcore, op)]
+    undefined = [op for op in OPS + CPU_ONLY_OPS if not hasattr(torch.ops.actcore, op)]
     if undefined:
         raise NativeBuildError(f"the actcore::* ops {undefined} are not defined (import actcore)")
     lib = ctypes.CDLL(str(library))
@@ -140,9 +142,14 @@ def _open(library: str | os.PathLike, prefix: str, abi_version: int) -> ctypes.C
 
 
 def _register_kernels(
-    entry: Any, what: str, key: str, undo: Callable[[], None] | None = None
+    entry: Any,
+    what: str,
+    key: str,
+    undo: Callable[[], None] | None = None,
+    ops: tuple[str, ...] = OPS,
 ) -> None:
-    """Call a library's register ``entry``; check every op now has a ``key`` kernel."""
+    """Call a library's register ``entry``; check every op of ``ops`` now has a ``key``
+    kernel."""
     from .build import NativeBuildError
 
     message = ctypes.create_string_buffer(8192)
@@ -152,7 +159,7 @@ def _register_kernels(
         )
     has_kernel = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
     if has_kernel is not None:
-        missing = [op for op in OPS if not has_kernel(f"actcore::{op}", key)]
+        missing = [op for op in ops if not has_kernel(f"actcore::{op}", key)]
         if missing:
             if undo is not None:
                 undo()
@@ -273,7 +280,13 @@ def _cpu_library(library: str | os.PathLike) -> ctypes.CDLL:
 
 
 def _register_cpu(lib: ctypes.CDLL) -> None:
-    _register_kernels(lib.actcore_cpu_register, "CPU kernels", "CPU", lib.actcore_cpu_unregister)
+    _register_kernels(
+        lib.actcore_cpu_register,
+        "CPU kernels",
+        "CPU",
+        lib.actcore_cpu_unregister,
+        OPS + CPU_ONLY_OPS,
+    )
 
 
 def _load_cpu(warn: bool, stacklevel: int = 5) -> bool:
@@ -310,7 +323,7 @@ def cpu_ready(op: str) -> bool:
     True when ``op`` now has a CPU kernel (hand over with :func:`call`); False inside such a
     hand-over, when turned off, and when the kernels are unavailable.
     """
-    if getattr(_LOCAL, "calling", False) or op not in OPS:
+    if getattr(_LOCAL, "calling", False) or (op not in OPS and op not in CPU_ONLY_OPS):
         return False
     state = _CPU_STATE
     if not state.attempted:

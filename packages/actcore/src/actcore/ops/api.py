@@ -24,6 +24,7 @@ __all__ = [
     "pack_bits",
     "pack_mask",
     "quantize",
+    "relu_mask",
     "reset_seed_stream",
     "unpack_bits",
     "unpack_mask",
@@ -252,6 +253,13 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype != torch.bool:
         raise TypeError(f"pack_mask takes a bool tensor, got {mask.dtype}")
     return library.pack_bits(mask.reshape(-1).view(torch.uint8), 1)
+
+
+def relu_mask(x: torch.Tensor) -> torch.Tensor:
+    """``pack_mask(~(x <= 0))`` in one pass: where ReLU's backward passes the gradient
+    (positive or NaN elements of ``x``), 1 bit per element, row-major."""
+    _check_input(x, "relu_mask")
+    return library.relu_mask(_unlinked(x))
 
 
 def unpack_mask(packed: torch.Tensor, shape: Sequence[int] | torch.Size) -> torch.Tensor:

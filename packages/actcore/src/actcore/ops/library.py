@@ -40,6 +40,7 @@ __all__ = [
     "masked_quantize_padded",
     "pack_bits",
     "quantize",
+    "relu_mask",
     "unpack_bits",
 ]
 
@@ -192,3 +193,19 @@ def apply_mask(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 @apply_mask.register_fake
 def _apply_mask_fake(x, mask):
     return x.new_empty(x.shape)
+
+
+def _relu_mask_reference(x: torch.Tensor) -> torch.Tensor:
+    return pack_bits(x.le(0).bitwise_not_().reshape(-1).view(torch.uint8), 1)
+
+
+@torch.library.custom_op("actcore::relu_mask", mutates_args=())
+def relu_mask(x: torch.Tensor) -> torch.Tensor:
+    """The packed 1-bit mask (row-major) of the elements of ``x`` that are not ``<= 0``
+    (positive or NaN: where ReLU's backward passes the gradient)."""
+    return _dispatch("relu_mask", x, _relu_mask_reference, x)
+
+
+@relu_mask.register_fake
+def _relu_mask_fake(x):
+    return x.new_empty((packed_nbytes(x.numel(), 1),), dtype=torch.uint8)
