@@ -108,7 +108,7 @@ def _views() -> list[tuple[torch.Tensor, int]]:
         (maps, 1),
         (maps.contiguous(memory_format=torch.channels_last)[:, :, 1:], 1),
         (torch.randn(9, 12, generator=g)[:, 2:9], 1),
-        (q.float().to(torch.bfloat16), 3),
+        (qkv.bfloat16()[..., :24].view(3, 10, 4, 6).transpose(1, 2), 3),  # (strided too)
     ]
 
 

@@ -37,7 +37,6 @@ def _grads(model: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], int]:
     """Gradients of one step, and how often the activation's forward op ran in it."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
-    runs = 0
     with torch.profiler.profile() as prof:
         model(x).square().sum().backward()
     name = model.act_op

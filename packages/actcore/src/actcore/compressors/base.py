@@ -53,10 +53,6 @@ class Packing(NamedTuple):
     tensors: Tensors
     meta: Any
 
-    def restore(self) -> torch.Tensor:
-        """The tensor, rebuilt."""
-        return self.compressor.unpack(self.tensors, self.meta)
-
 
 class Wrapping(Compressor):
     """Base of a compressor around another one, its ``inner`` (a field of the subclass):
