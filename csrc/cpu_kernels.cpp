@@ -40,9 +40,6 @@
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
-#endif
-
-#if defined(__GNUC__) && defined(__x86_64__)
 #define ACTCORE_X86 1
 #define ACTCORE_AVX2 __attribute__((target("avx2")))
 #else

@@ -75,17 +75,10 @@ class RecomputeFunction(torch.autograd.Function):
         dtype = x.dtype
         state = forward_state(x.device)  # the rerun in backward runs under it too
         comp = choose(layer, ROW_NORM if normalize else ACTIVATION, x)
-        if in_place is not None:
-            if normalize:
-                raise ValueError("RecomputeFunction: in_place is for activations, not norms")
-            kept = x if comp.lossy else x.clone()  # (what autograd's in-place op keeps)
-            parts = stash(ctx, layer, [(kept, comp), (None, IDENTITY)])
-            ctx.act_versions = []  # (x is this op's output now: autograd tracks it)
-            out = in_place(x)
-            ctx.mark_dirty(out)
-        else:
-            out = forward(x)
+        if in_place is not None and normalize:
+            raise ValueError("RecomputeFunction: in_place is for activations, not norms")
         if normalize and comp.lossy:  # the error is then relative to each row's own scale
+            out = forward(x)
             rstd = x.float().square().mean(-1, keepdim=True)
             rstd = rstd.clamp_min_(torch.finfo(torch.float32).tiny).rsqrt_()
             parts = stash(ctx, layer, [(x.float() * rstd, comp), (rstd, IDENTITY)], watch=(x,))
@@ -95,8 +88,16 @@ class RecomputeFunction(torch.autograd.Function):
                     return forward((x_hat / rstd).to(dtype))
 
         else:
-            if in_place is None:
-                parts = stash(ctx, layer, [(x, comp), (None, IDENTITY)])
+            # packed before an in-place op overwrites x (kept exact: a copy, as autograd's
+            # own in-place op keeps)
+            kept = x.clone() if in_place is not None and not comp.lossy else x
+            parts = stash(ctx, layer, [(kept, comp), (None, IDENTITY)])
+            if in_place is not None:
+                ctx.act_versions = []  # (x is this op's output now: autograd tracks it)
+                out = in_place(x)
+                ctx.mark_dirty(out)
+            else:
+                out = forward(x)
 
             def output(x: torch.Tensor, _: None) -> torch.Tensor:
                 with replayed(state):
