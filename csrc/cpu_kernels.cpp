@@ -11,7 +11,9 @@
 //
 // Speed: each group is read once for its min/max and once (from cache) for its codes;
 // codes go through a small buffer, 8 at a time into bit planes (one 64-bit multiply per
-// plane; back through a 256-entry table), the bit count a template argument. Work is split
+// plane; back through a 256-entry table), the bit count a template argument. The masked ops
+// move a mask byte's float32 values with one AVX2 permute (a left-pack on the way in, its
+// inverse on the way out) instead of one bit at a time. Work is split
 // over groups with at::parallel_for. On x86-64 the loops are compiled twice, for the
 // baseline ISA and for AVX2, and the variant is picked at run time, so a cached library
 // runs on any x86-64 CPU.
@@ -180,6 +182,26 @@ struct SpreadTable {
   }
 };
 constexpr SpreadTable kSpread{};
+
+#if ACTCORE_X86
+// For each mask byte: the lanes of its set bits in order, then 0s (a left-pack: one
+// permute moves a byte's selected floats to the front), and each lane's rank among the set
+// bits (the inverse: one permute spreads consecutive values back to their lanes).
+struct LaneTables {
+  alignas(32) int32_t pack[256][8];
+  alignas(32) int32_t spread[256][8];
+  constexpr LaneTables() : pack(), spread() {
+    for (int b = 0; b < 256; ++b) {
+      int k = 0;
+      for (int t = 0; t < 8; ++t) {
+        spread[b][t] = k;
+        if ((b >> t) & 1) pack[b][k++] = t;
+      }
+    }
+  }
+};
+constexpr LaneTables kLanes{};
+#endif
 
 // `blocks` blocks of 8 uint8 values -> `Bits` bytes each (the planes unrolled).
 template <int Bits>
@@ -426,9 +448,36 @@ struct DenseSource {
   }
 };
 
+#if ACTCORE_X86
+// `m` set elements of a float32 input from the mask's position (word, rest) on, into `buf`
+// (which takes 8 floats past m): a mask byte at a time where its set bits all fit, one
+// permute and one store each, else an element at a time.
+ACTCORE_AVX2 void avx2_read_set(const float* x, const MaskView& mask, int64_t& word,
+                                uint64_t& rest, int64_t m, float* buf) {
+  for (int64_t k = 0; k < m;) {
+    while (rest == 0) rest = mask_word(mask.bits, mask.numel, ++word);
+    const int shift = __builtin_ctzll(rest) & ~7;
+    const unsigned byte = static_cast<unsigned>(rest >> shift) & 0xffu;
+    const int count = __builtin_popcount(byte);
+    const int64_t first = word * 64 + shift;
+    if (k + count <= m && first + 8 <= mask.numel) {
+      const __m256 v = _mm256_loadu_ps(x + first);
+      const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes.pack[byte]));
+      _mm256_storeu_ps(buf + k, _mm256_permutevar8x32_ps(v, lanes));
+      k += count;
+      rest &= ~(uint64_t{0xff} << shift);
+    } else {
+      buf[k++] = x[word * 64 + __builtin_ctzll(rest)];
+      rest &= rest - 1;
+    }
+  }
+}
+#endif
+
 // ... or the set elements of a mask over a dense input, in order (one row: the column of a
-// value is its rank among them). Reads run on from where the last one stopped.
-template <typename scalar_t, typename acc_t>
+// value is its rank among them). Reads run on from where the last one stopped; `kPack`: the
+// float32 left-packing read of AVX2 builds.
+template <typename scalar_t, typename acc_t, bool kPack = false>
 struct MaskedSource {
   const scalar_t* x;
   MaskView mask;
@@ -445,13 +494,19 @@ struct MaskedSource {
 
   ACTCORE_INLINE const acc_t* read(int64_t, int64_t col, int64_t m, acc_t* buf) {
     if (col != next) seek(col);
+    next = col + m;
+#if ACTCORE_X86
+    if constexpr (kPack) {
+      avx2_read_set(x, mask, word, rest, m, buf);
+      return buf;
+    }
+#endif
     for (int64_t k = 0; k < m; ++k) {
       while (rest == 0) rest = mask_word(mask.bits, mask.numel, ++word);
       const int64_t i = word * 64 + __builtin_ctzll(rest);
       rest &= rest - 1;
       buf[k] = static_cast<acc_t>(x[i]);
     }
-    next = col + m;
     return buf;
   }
 };
@@ -461,7 +516,7 @@ struct MaskedSource {
 template <typename scalar_t, typename Source>
 ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, Source& src, int64_t g0, int64_t g1) {
   using acc_t = typename Acc<scalar_t>::type;
-  alignas(64) acc_t buf[kChunk];
+  alignas(64) acc_t buf[kChunk + 8];  // + 8: a masked read's last 8-lane store
   alignas(64) uint8_t codes[kChunk];
   const int64_t groups_per_row = (a.cols + a.group_size - 1) / a.group_size;
   const int64_t row_bytes = (a.cols + 7) / 8 * a.bits;
@@ -566,25 +621,54 @@ ACTCORE_INLINE void dequantize_groups(const DequantizeArgs& a, int64_t g0, int64
   }
 }
 
+#if ACTCORE_X86
+// Words [w, we) of a float32 masked_dequantize output, all of it: `values` (the set
+// elements' values in order, 8 floats readable past the last) spread to their lanes a mask
+// byte at a time (one permute, one and, one store), +0 in the other lanes.
+ACTCORE_AVX2 void avx2_spread_words(const float* values, float* out, const MaskView& m,
+                                    int64_t w, int64_t we) {
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  int64_t k = 0;
+  for (int64_t v = w; v < we; ++v) {
+    const uint64_t bits = mask_word(m.bits, m.numel, v);
+    const int64_t n = std::min<int64_t>(64, m.numel - v * 64);
+    float* o = out + v * 64;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const unsigned byte = static_cast<unsigned>(bits >> j) & 0xffu;
+      const __m256i ranks =
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes.spread[byte]));
+      const __m256 spread = _mm256_permutevar8x32_ps(_mm256_loadu_ps(values + k), ranks);
+      const __m256i set = _mm256_cmpeq_epi32(
+          _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(byte)), lane_bit), lane_bit);
+      _mm256_storeu_ps(o + j, _mm256_and_ps(spread, _mm256_castsi256_ps(set)));
+      k += __builtin_popcount(byte);
+    }
+    for (; j < n; ++j) o[j] = ((bits >> j) & 1) ? values[k++] : 0.0f;
+  }
+}
+#endif
+
 // The dense output of masked_dequantize over words [w0, w1) of the mask: +0 everywhere, then
 // the values of the set elements (ranks offsets[w0] on), each computed as dequantize_groups
 // computes it. Works in spans of kChunk outputs (their codes fit the buffers).
-template <typename scalar_t>
+template <typename scalar_t, bool kPack>
 ACTCORE_INLINE void masked_dequantize_words(const actcore_kernels::MaskedDequantizeArgs& ma,
                                             int64_t w0, int64_t w1) {
   using acc_t = typename Acc<scalar_t>::type;
   constexpr int64_t kSpanWords = kChunk / 64;
   alignas(64) uint8_t codes[kChunk + 16];
-  alignas(64) acc_t values[kChunk];
+  alignas(64) acc_t values[kChunk + 8];  // + 8: the spreading write's last 8-lane load
   const DequantizeArgs& a = ma.d;
   const MaskView& m = ma.mask;
   auto* out = static_cast<scalar_t*>(a.out);
   const acc_t top = static_cast<acc_t>(std::numeric_limits<scalar_t>::max());
   for (int64_t w = w0; w < w1; w += kSpanWords) {
     const int64_t we = std::min(w1, w + kSpanWords);
-    std::fill(out + w * 64, out + std::min(m.numel, we * 64), scalar_t(0));
     const int64_t r0 = m.offsets[w];
     const int64_t r1 = m.offsets[we];
+    constexpr bool spread = kPack && std::is_same_v<scalar_t, float>;
+    if (!spread || r1 == r0) std::fill(out + w * 64, out + std::min(m.numel, we * 64), scalar_t(0));
     if (r1 == r0) continue;
     const int64_t b0 = r0 / 8;
     unpack_blocks(a.payload + b0 * a.bits, (r1 + 7) / 8 - b0, a.bits, codes);
@@ -603,6 +687,12 @@ ACTCORE_INLINE void masked_dequantize_words(const actcore_kernels::MaskedDequant
       }
       r = end;
     }
+#if ACTCORE_X86
+    if constexpr (spread) {
+      avx2_spread_words(values, out, m, w, we);
+      continue;
+    }
+#endif
     int64_t k = 0;
     for (int64_t v = w; v < we; ++v) {
       scalar_t* o = out + v * 64;
@@ -670,7 +760,7 @@ void hash_range(const int64_t* index, float* out, int64_t seed, int64_t i0, int6
 }
 
 // ---------------------------------------------------------------- ISA variants
-#define ACTCORE_VARIANTS(prefix, attr)                                                        \
+#define ACTCORE_VARIANTS(prefix, attr, pack)                                                      \
   template <typename scalar_t>                                                                \
   attr void prefix##quantize(const QuantizeArgs& a, int64_t g0, int64_t g1) {                 \
     DenseSource<scalar_t, typename Acc<scalar_t>::type> src{                                  \
@@ -679,7 +769,9 @@ void hash_range(const int64_t* index, float* out, int64_t seed, int64_t i0, int6
   }                                                                                           \
   template <typename scalar_t>                                                                \
   attr void prefix##masked_quantize(const MaskedQuantizeArgs& a, int64_t g0, int64_t g1) {    \
-    MaskedSource<scalar_t, typename Acc<scalar_t>::type> src{                                 \
+    MaskedSource<scalar_t, typename Acc<scalar_t>::type,                                      \
+                 pack && std::is_same_v<scalar_t, float>>                                     \
+        src{                                                                                  \
         static_cast<const scalar_t*>(a.q.x), a.mask};                                         \
     quantize_groups<scalar_t>(a.q, src, g0, g1);                                              \
   }                                                                                           \
@@ -690,7 +782,7 @@ void hash_range(const int64_t* index, float* out, int64_t seed, int64_t i0, int6
   template <typename scalar_t>                                                                \
   attr void prefix##masked_dequantize(const actcore_kernels::MaskedDequantizeArgs& a,         \
                                       int64_t w0, int64_t w1) {                               \
-    masked_dequantize_words<scalar_t>(a, w0, w1);                                             \
+    masked_dequantize_words<scalar_t, pack>(a, w0, w1);                                           \
   }                                                                                           \
   template <typename scalar_t>                                                                \
   attr void prefix##apply_mask(const scalar_t* x, scalar_t* out, const MaskView& m,           \
@@ -698,9 +790,9 @@ void hash_range(const int64_t* index, float* out, int64_t seed, int64_t i0, int6
     apply_mask_words<scalar_t>(x, out, m, w0, w1);                                            \
   }
 
-ACTCORE_VARIANTS(base_, )
+ACTCORE_VARIANTS(base_, , false)
 #if ACTCORE_X86
-ACTCORE_VARIANTS(avx2_, ACTCORE_AVX2)
+ACTCORE_VARIANTS(avx2_, ACTCORE_AVX2, true)
 #endif
 
 template <typename scalar_t>

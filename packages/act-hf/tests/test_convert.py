@@ -362,3 +362,36 @@ def test_transformers_version_in_declared_range():
     (req,) = [Requirement(r) for r in requires("act-hf") if r.startswith("transformers")]
     assert req.specifier.contains(transformers.__version__)
     assert Path(act_hf.__file__).name == "__init__.py"
+
+
+def test_silu_activation_backward_calls_silu_backward(monkeypatch) -> None:
+    """transformers' ``SiLUActivation`` (Llama's MLP) is recomputed from its kept input;
+    its backward calls ``silu_backward`` on that input instead of rerunning ``F.silu`` to
+    differentiate it: the same gradients bit for bit, one ``silu`` op fewer per step."""
+    import copy
+
+    from transformers.activations import SiLUActivation
+
+    from actcore.config import config
+    from actcore.layers import recompute
+
+    monkeypatch.setattr(config, "min_numel", 0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 48), SiLUActivation(), nn.Linear(48, 4))
+    act_hf.convert(model, "L3")
+    assert type(model[1]).__name__.endswith("SiLUActivation")
+    twin = copy.deepcopy(model)  # (the same rounding seeds to come)
+    x = torch.randn(8, 16) * 3
+
+    def step(m: nn.Module) -> tuple[list[torch.Tensor], int]:
+        torch.manual_seed(1)
+        with torch.profiler.profile() as prof:
+            m(x).square().sum().backward()
+        runs = sum(e.count for e in prof.key_averages() if e.key == "aten::silu")
+        return [p.grad for p in m.parameters()], runs
+
+    direct, runs_direct = step(model)
+    monkeypatch.setitem(recompute._ACTIVATIONS, SiLUActivation, None)  # rerun it instead
+    rerun, runs_rerun = step(twin)
+    assert all(torch.equal(a, b) for a, b in zip(direct, rerun, strict=True))
+    assert runs_direct == runs_rerun - 1

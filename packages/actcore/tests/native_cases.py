@@ -194,6 +194,7 @@ def masked_cases(dtype: torch.dtype) -> list[tuple[str, torch.Tensor, torch.Tens
     g = torch.Generator().manual_seed(99)
     cases = []
     shapes = [(1,), (37,), (64,), (65,), (3, 70), (2, 3, 129), (4, 16, 9, 11), (2, 3000)]
+    shapes.append((2, 40_000))  # selected values over several parallel tasks (seeks)
     for shape in shapes:
         for density in (0.0, 0.05, 0.5, 1.0):
             x = torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)

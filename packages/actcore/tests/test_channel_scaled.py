@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from actcore.compressors import ChannelScaled, Quantize
-from actcore.compressors.channel_scaled import channel_dim, exact_channels, joint_top, scaled
+from actcore.compressors.channel_scaled import (
+    channel_dim,
+    exact_channels,
+    joint_top,
+    joint_top_and_amax,
+    scaled,
+)
 
 
 def _tokens(outlier: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -91,6 +97,25 @@ def test_joint_top_picks_the_dims_whose_product_moves_most() -> None:
     k[:, :, :, 9] *= 3
     assert joint_top(q, k, -1, 1).tolist() == [3]
     assert sorted(joint_top(q, k, -1, 2).tolist()) == [3, 9]
+
+
+def test_packing_with_the_amax_joint_top_found_is_the_same() -> None:
+    """q and k packed with the channel magnitudes joint_top read (attention hands them over,
+    so neither is read again) store exactly what packing them from scratch stores."""
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(2, 3, 40, 3 * 32, generator=g)
+    qkv[..., 7] *= 50  # an outlier feature of q
+    q, k = qkv[..., :32], qkv[..., 32:64]  # strided views, as heads sliced from qkv
+    top, amax_q, amax_k = joint_top_and_amax(q, k, -1, 2)
+    assert torch.equal(top, joint_top(q, k, -1, 2))
+    for x, amax in ((q, amax_q), (k, amax_k)):
+        inner = Quantize(4, 64, stochastic=False)  # (deterministic: the packs compare)
+        plain = ChannelScaled(inner, -1, exact=2, top=top)
+        given = ChannelScaled(inner, -1, exact=2, top=top, amax=amax)
+        a, meta_a = plain.pack(x)
+        b, meta_b = given.pack(x)
+        assert all(torch.equal(s, t) for s, t in zip(a, b, strict=True))
+        assert torch.equal(given.unpack(b, meta_b), plain.unpack(a, meta_a))
 
 
 def _views() -> list[tuple[torch.Tensor, int]]:

@@ -348,3 +348,18 @@ def test_enclosing_hooks_are_warned_of_what_compiled_graphs_keep() -> None:
     (g,) = torch.autograd.grad((h + eager).sum(), w)
     (exact,) = torch.autograd.grad(2 * torch.tanh(x @ w).sum(), w)
     assert torch.nn.functional.cosine_similarity(g.flatten(), exact.flatten(), 0) > 0.95
+
+
+def test_an_eager_hook_call_is_the_pack_function_itself() -> None:
+    """Called eagerly, a pack / unpack graph calls its function directly: GraphModule's own
+    __call__ (the generated forward behind a traceback wrapper) is not in the way."""
+    from actcore.saved_tensors.compiled import SavedHooksGraph, graph_hooks
+    from actcore.saved_tensors.graph_treatment import GraphPolicy
+
+    for hook in graph_hooks(GraphPolicy(bits=4)):
+        assert type(hook).__call__ is SavedHooksGraph.__call__
+    with actcore.compress_saved_tensors("G1.2", min_numel=0):
+        w = torch.randn(16, 16, requires_grad=True)
+        y = torch.tanh(torch.randn(4, 16) @ w)
+    y.sum().backward()
+    assert w.grad is not None and w.grad.isfinite().all()

@@ -163,10 +163,12 @@ RECOMPUTED_ACTIVATIONS = (
     "SiLUActivation",
     "SqrtSoftplusActivation",
 )
+# those whose forward is one torch op with an input-only backward op: backward calls that op
+_INPUT_DERIVATIVES = {"SiLUActivation": lambda grad, x: torch.ops.aten.silu_backward(grad, x)}
 for _name in RECOMPUTED_ACTIVATIONS:
     _base = getattr(hf_activations, _name, None)
     if isinstance(_base, type):
-        register_recomputed(_base)
+        register_recomputed(_base, _INPUT_DERIVATIVES.get(_name))
 
 
 def fewbit_class_for(module: nn.Module) -> type[nn.Module] | None:

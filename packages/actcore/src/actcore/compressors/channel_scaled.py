@@ -40,6 +40,7 @@ __all__ = [
     "channel_exponents",
     "exact_channels",
     "joint_top",
+    "joint_top_and_amax",
     "scaled",
 ]
 
@@ -175,8 +176,17 @@ def joint_top(a: torch.Tensor, b: torch.Tensor, dim: int, count: int) -> torch.T
     """The ``count`` channels along ``dim`` with the largest ``amax(a) * amax(b)``: those of a
     product ``sum_c a_c b_c`` (attention's ``q k^T``) whose rounding moves it most, to keep
     exact in both factors (an outlier in ``a`` multiplies ``b``'s rounding error)."""
-    score = _channel_amax(a, dim % a.dim()).flatten() * _channel_amax(b, dim % b.dim()).flatten()
-    return score.topk(count).indices
+    return joint_top_and_amax(a, b, dim, count)[0]
+
+
+def joint_top_and_amax(
+    a: torch.Tensor, b: torch.Tensor, dim: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`joint_top`, and each channel's largest magnitude in ``a`` and in ``b`` (as
+    :class:`ChannelScaled` finds them: its ``amax``, so packing ``a`` and ``b`` reads
+    neither again)."""
+    amax_a, amax_b = _channel_amax(a, dim % a.dim()), _channel_amax(b, dim % b.dim())
+    return (amax_a.flatten() * amax_b.flatten()).topk(count).indices, amax_a, amax_b
 
 
 def exact_channels(channels: int) -> int:
@@ -240,6 +250,9 @@ class ChannelScaled(Wrapping):
     # the scale exponents when the caller has them (see ChannelScales; without ``exact``),
     # else found from the tensor
     exponents: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # each channel's largest magnitude in the tensor to pack, when the caller found it
+    # already (joint_top_and_amax), else found from the tensor
+    amax: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -251,7 +264,7 @@ class ChannelScaled(Wrapping):
         if self.exponents is not None and not self.exact:
             exponents = self.exponents  # (the layer's, see ChannelScales)
         else:
-            amax = _channel_amax(x, dim)
+            amax = _channel_amax(x, dim) if self.amax is None else self.amax
             if self.exact:
                 top = amax.flatten().topk(self.exact).indices if self.top is None else self.top
                 extra = (x.index_select(dim, top), top)
@@ -279,4 +292,5 @@ class ChannelScaled(Wrapping):
     def key(self) -> tuple:
         chosen = None if self.top is None else id(self.top)
         found = None if self.exponents is None else id(self.exponents)
-        return (self.name, self.dim, self.ratio, self.exact, chosen, found, *self.inner.key())
+        amax = None if self.amax is None else id(self.amax)
+        return (self.name, self.dim, self.ratio, self.exact, chosen, found, amax, *self.inner.key())

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ..compressors import IDENTITY, ChannelScaled, Compressor
-from ..compressors.channel_scaled import exact_channels, joint_top
+from ..compressors.channel_scaled import exact_channels, joint_top, joint_top_and_amax
 from ..saved_tensors.op_mode import outside_function_modes, plain_float, wants_grad
 from .forward_state import forward_state, plain_saves, replayed
 from .roles import OTHER
@@ -84,8 +84,8 @@ def _same_exact_dims(
         return q_, k_
     if not (q_.exact and q_.exact == k_.exact and q.shape[-1] == k.shape[-1]):
         return q_, k_
-    top = joint_top(q, k, -1, q_.exact)
-    return replace(q_, top=top), replace(k_, top=top)
+    top, amax_q, amax_k = joint_top_and_amax(q, k, -1, q_.exact)
+    return replace(q_, top=top, amax=amax_q), replace(k_, top=top, amax=amax_k)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

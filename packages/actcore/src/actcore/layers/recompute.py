@@ -51,10 +51,13 @@ __all__ = [
     "register_recomputed",
 ]
 
+Derivative = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(grad, x) -> grad_x``: autograd's own formula for an activation's input gradient."""
+
 _NORM_NAME = re.compile(r"(RMSNorm|RmsNorm|LayerNorm)$")
 _TORCH_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase)
 _CLASSES: dict[type, type] = {}
-_ACTIVATIONS: set[type] = set()
+_ACTIVATIONS: dict[type, Derivative | None] = {}  # class -> its input derivative, if any
 
 
 class RecomputeFunction(torch.autograd.Function):
@@ -130,9 +133,6 @@ class RecomputeFunction(torch.autograd.Function):
         return grads[0], None, None, None, None, None, *grads[1:]
 
 
-Derivative = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 def recompute(
     x: torch.Tensor,
     forward: Callable[[torch.Tensor], torch.Tensor],
@@ -162,18 +162,26 @@ class RecomputedModule(ConvertedLayer):
             return self.plain_forward(x)
         if not self.act_normalize and not params and config.keep_derivatives:
             return keep_derivative(x, self.plain_forward, self)  # unbiased: see .derivative
+        derivative = _ACTIVATIONS.get(self.act_source_class)
         out = RecomputeFunction.apply(
-            x, self.plain_forward, self, self.act_normalize, None, None, *params
+            x, self.plain_forward, self, self.act_normalize, derivative, None, *params
         )
         return note_output(out)
 
 
-def register_recomputed(cls: type[nn.Module]) -> None:
+def register_recomputed(cls: type[nn.Module], derivative: Derivative | None = None) -> None:
     """Make :func:`actcore.convert` give modules of exactly this elementwise activation class
-    the recomputed form (their input kept at the level's activation bits)."""
+    the recomputed form (their input kept at the level's activation bits).
+
+    ``derivative``: ``(grad, x) -> grad_x``, the very op autograd's backward of the class's
+    forward calls (transformers' ``SiLUActivation``, ``F.silu``: ``aten.silu_backward``);
+    backward then calls it on the restored input instead of rerunning the forward to
+    differentiate it (outside autocast). Without it, backward reruns the forward."""
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(f"register_recomputed takes an nn.Module class, got {cls!r}")
-    _ACTIVATIONS.add(cls)
+    if derivative is not None and not callable(derivative):
+        raise TypeError(f"derivative must be callable (grad, x) -> grad_x, got {derivative!r}")
+    _ACTIVATIONS[cls] = derivative
 
 
 def recomputed_class(module: nn.Module) -> type[nn.Module] | None:

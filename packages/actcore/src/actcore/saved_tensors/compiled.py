@@ -334,6 +334,9 @@ def _one_call_graph(fn: Any, name: str) -> SavedHooksGraph:
     arg = graph.placeholder("x")
     graph.output(graph.call_function(fn, (arg,)))
     module = SavedHooksGraph(torch.nn.Module(), graph, class_name=name)
+    # GraphModule gives each instance a class of its own whose __call__ (set by recompile)
+    # wraps the generated forward: this one's is the direct call
+    type(module).__call__ = SavedHooksGraph.__call__
     module.act_fn = fn
     _OWN_GRAPHS.add(module)
     return module
