@@ -238,6 +238,32 @@ def test_cli_writes_rows_curves_bytes_and_a_png(tmp_path, mnist):
     )
 
 
+def test_compiled_levels_train_compiled_and_report_the_profilers_bytes(mnist):
+    """``--compile``: each level's model is compiled after its conversion; the tracker cannot
+    see what compiled graphs save, so bytes and ratios come from the profiler, said so."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    task = Mnist1DTask(batch=32, device=torch.device("cpu"), data=mnist)
+    cfg = train.TrainConfig(
+        task="mnist1d", levels=["fp", "L3"], steps=2, eval_interval=2, compile=True
+    )
+    rows: list[dict] = []
+    train.run(cfg, rows, task=task)
+    assert counters["stats"]["unique_graphs"] >= 2  # (fp's and L3's training graphs at least)
+    fp, l3 = rows
+    for row in rows:
+        assert row["retained_bytes"] is None and row["profiler_bytes"] > 0
+        assert 0 < row["accuracy_mean"] <= 1
+    assert l3["ratio"] == pytest.approx(fp["profiler_bytes"] / l3["profiler_bytes"])
+    assert l3["ratio"] > 2  # compiled, L3 still keeps several times fewer bytes
+    headers = [c.header for c in train.columns("mnist1d", rows)]
+    assert "held for backward (profiler)" in headers
+    assert "torch.compile" in train.title(cfg)
+    torch._dynamo.reset()
+
+
 def test_same_seed_same_run_and_seeds_differ(mnist):
     task = Mnist1DTask(batch=32, device=torch.device("cpu"), data=mnist)
     cfg = train.TrainConfig(task="mnist1d", levels=["L3"], steps=6, eval_interval=3).resolved()

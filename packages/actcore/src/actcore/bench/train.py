@@ -173,6 +173,11 @@ def register(subparsers: Any, common: Callable[[argparse.ArgumentParser], None])
     )
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, ...")
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each level's model (fp too) after it is converted",
+    )
+    p.add_argument(
         "--data-dir",
         default=None,
         metavar="DIR",

@@ -112,6 +112,7 @@ class TrainConfig:
     quick: bool = False
     device: str = "auto"
     data_dir: str | None = None
+    compile: bool = False  # torch.compile the model, every level (after its conversion)
 
     def resolved(self) -> TrainConfig:
         """A copy with every None filled in from the task's defaults."""

@@ -76,10 +76,18 @@ def add_deltas(rows: list[dict[str, Any]]) -> None:
             row["delta_val_loss"] = row["val_loss_mean"] - fp["val_loss_mean"]
         if fp.get("accuracy_mean") is not None and row.get("accuracy_mean") is not None:
             row["delta_points"] = 100.0 * (row["accuracy_mean"] - fp["accuracy_mean"])
-        if row.get("retained_bytes"):
-            row["ratio"] = fp["retained_bytes"] / row["retained_bytes"]
+        key = _bytes_key(rows)
+        if row.get(key) and fp.get(key):
+            row["ratio"] = fp[key] / row[key]
         if fp["step_time_s"]:
             row["time_ratio"] = row["step_time_s"] / fp["step_time_s"]
+
+
+def _bytes_key(rows: list[dict[str, Any]]) -> str:
+    """The bytes the table shows: the tracker's, or the profiler's where the tracker could
+    not see them (a compiled model's saves)."""
+    tracked = all(r.get("retained_bytes") is not None for r in rows)
+    return "retained_bytes" if tracked else "profiler_bytes"
 
 
 def columns(task: str, rows: list[dict[str, Any]]) -> list[report.Column]:
@@ -98,7 +106,11 @@ def columns(task: str, rows: list[dict[str, Any]]) -> list[report.Column]:
             report.Column("delta_points", "vs fp (points)", lambda v: f"{v:+.2f}"),
         ]
     cols += [
-        report.Column("retained_bytes", "held for backward", report.fmt_bytes),
+        report.Column(
+            _bytes_key(rows),
+            "held for backward" + ("" if _bytes_key(rows) == "retained_bytes" else " (profiler)"),
+            report.fmt_bytes,
+        ),
         report.Column("ratio", "fp / level", report.fmt_float(2, "x")),
         report.Column("step_time_s", "step ms", lambda v: f"{1000 * v:.1f}"),
         report.Column("time_ratio", "time / fp", report.fmt_float(2, "x")),
@@ -122,6 +134,7 @@ def title(cfg: TrainConfig) -> str:
     if cfg.task == "shakespeare-char" and cfg.arch != "gpt":
         what = what.replace("GPT", f"GPT ({cfg.arch} style)")
     quick = ", quick" if cfg.quick else ""
+    quick += ", torch.compile" if cfg.compile else ""
     return (
         f"{what}: {cfg.steps} steps, batch {cfg.batch}, {cfg.seeds} seed(s){quick} "
         f"({resolve_device(cfg.device)})"
