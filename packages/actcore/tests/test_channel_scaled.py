@@ -198,9 +198,8 @@ def test_exact_channels_are_reused_with_the_scales_and_stay_exact() -> None:
     e2, top2 = scales.scales_for(moved, 1, refresh=False, exact=1)
     assert top2 is not top and torch.equal(top2, top) and torch.equal(e2, exponents)
     comp = scaled(Quantize(2, 256, per_sample=False), moved, 256, True, 1, scales, False)
-    assert comp.exact == 1 and comp.scales is scales  # (the packing asks them)
+    assert comp.exact == 1 and torch.equal(comp.top, top)
     tensors, meta = comp.pack(moved)
-    assert torch.equal(tensors[-1], top) and torch.equal(tensors[-3], exponents)
     back = comp.unpack(tensors, meta)
     assert torch.equal(back[:, 5], moved[:, 5])  # the kept channel, exact though not largest
     assert torch.isfinite(back).all()
@@ -258,45 +257,5 @@ def test_converted_linear_refreshes_on_the_schemes_statistics_steps() -> None:
             patch.setattr(channel_scaled, "channel_exponents", counted)
             model(x).square().mean().backward()
         seen.append((collecting, len(found)))
-    # one input packed: the second linear's is the GELU's output, rebuilt from the GELU's
-    # own packing (scales are found by the packing, so nothing is found for it)
-    assert all(count == (1 if collecting else 0) for collecting, count in seen), seen
+    assert all(count == (2 if collecting else 0) for collecting, count in seen), seen
     assert not all(c for c, _ in seen) and any(c for c, _ in seen[5:])
-
-
-def test_a_converted_norm_reuses_its_exact_channels_between_refreshes() -> None:
-    """A Q-layer whose input keeps exact channels (a layer norm's) finds its scales on its
-    first use and every SCALES_REFRESH uses after, reusing them in between; the forward is
-    the plain model's bit for bit on every step."""
-    import copy
-
-    import actcore
-    from actcore.compressors import channel_scaled
-    from actcore.compressors.channel_scaled import SCALES_REFRESH
-
-    torch.manual_seed(0)
-    plain = torch.nn.Sequential(
-        torch.nn.Linear(96, 96), torch.nn.LayerNorm(96), torch.nn.Linear(96, 8)
-    )
-    model = copy.deepcopy(plain)
-    actcore.convert(model, level="L3")
-    x = _tokens(outlier=200.0)
-    original = channel_scaled.found_scales
-    exact_finds: list[int] = []
-
-    def counted(x, dim, ratio, exact, *args, **kwargs):
-        if exact:
-            exact_finds.append(1)
-        return original(x, dim, ratio, exact, *args, **kwargs)
-
-    per_step = []
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(channel_scaled, "found_scales", counted)
-        for _ in range(SCALES_REFRESH + 2):
-            exact_finds.clear()
-            out = model(x)
-            assert torch.equal(out, plain(x))
-            out.square().mean().backward()
-            per_step.append(len(exact_finds))
-    assert per_step == [1] + [0] * (SCALES_REFRESH - 1) + [1, 0]
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters())

@@ -99,7 +99,7 @@ def test_a_save_site_finds_its_channel_scales_every_refresh_interval() -> None:
     first pack and every SCALES_REFRESH packs after; in between they are reused, with no
     reduction over the tensor. Forward stays bitwise plain, gradients close."""
     from actcore.compressors import channel_scaled
-    from actcore.compressors.channel_scaled import SCALES_REFRESH
+    from actcore.saved_tensors import hooks as hooks_module
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 8))
@@ -117,7 +117,7 @@ def test_a_save_site_finds_its_channel_scales_every_refresh_interval() -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(channel_scaled, "found_scales", counted)
         hooks = SavedTensorHooks(2, model=model, min_numel=256)
-        for _ in range(SCALES_REFRESH + 2):
+        for _ in range(hooks_module.SCALES_REFRESH + 2):
             found.clear()
             model.zero_grad(set_to_none=True)
             with hooks:
@@ -127,7 +127,7 @@ def test_a_save_site_finds_its_channel_scales_every_refresh_interval() -> None:
             per_step.append(len(found))
     sites = per_step[0]
     assert sites >= 2  # the two linears' inputs (and the tanh's output) are scaled
-    assert per_step == [sites] + [0] * (SCALES_REFRESH - 1) + [sites, 0]
+    assert per_step == [sites] + [0] * (hooks_module.SCALES_REFRESH - 1) + [sites, 0]
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 

@@ -34,7 +34,6 @@ from .base import Compressor, Tensors, Wrapping
 
 __all__ = [
     "OUTLIER_RATIO",
-    "SCALES_REFRESH",
     "ChannelScaled",
     "ChannelScales",
     "channel_dim",
@@ -51,10 +50,6 @@ OUTLIER_RATIO = 4.0
 channel's; it is then scaled down to that bound."""
 
 _MAX_SCALE = 2.0**20  # a channel is never divided by more (nor by a non-finite scale)
-
-SCALES_REFRESH = 20
-"""Scales reused by an owner without statistics steps (a norm's or activation's layer, a
-hooks-route save site) are found on its first use and every this many uses after."""
 
 
 def _channel_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -151,21 +146,12 @@ class ChannelScales:
     Not for float16, whose narrow exponent range could underflow a channel whose values
     shrank since (its exponents are found on every step)."""
 
-    __slots__ = ("exponents", "signature", "top", "uses")
+    __slots__ = ("exponents", "signature", "top")
 
     def __init__(self) -> None:
         self.exponents: torch.Tensor | None = None
         self.top: torch.Tensor | None = None
         self.signature: tuple | None = None
-        self.uses = 0
-
-    def due(self, every: int | None = None) -> bool:
-        """Whether this use should find the scales again: the first and every ``every``-th
-        (default :data:`SCALES_REFRESH`; for owners without statistics steps of their own
-        to refresh on)."""
-        due = self.uses % (SCALES_REFRESH if every is None else every) == 0
-        self.uses += 1
-        return due
 
     def exponents_for(self, x: torch.Tensor, dim: int, refresh: bool) -> torch.Tensor | None:
         """The exponents to scale ``x`` by (no exact channels): see :meth:`scales_for`."""
@@ -173,12 +159,7 @@ class ChannelScales:
         return None if found is None else found[0]
 
     def scales_for(
-        self,
-        x: torch.Tensor,
-        dim: int,
-        refresh: bool,
-        exact: int = 0,
-        ratio: float = OUTLIER_RATIO,
+        self, x: torch.Tensor, dim: int, refresh: bool, exact: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The exponents to scale ``x`` by and the indices of its ``exact`` channels kept as
         they are (None without): found again when ``refresh`` or when ``x`` differs in
@@ -192,13 +173,13 @@ class ChannelScales:
         choice of which channels to scale or keep may lag the tensor's."""
         if x.dtype == torch.float16:
             return None
-        signature = (x.dim(), dim, x.shape[dim], x.dtype, x.device, exact, ratio)
+        signature = (x.dim(), dim, x.shape[dim], x.dtype, x.device, exact)
         if not refresh and self.exponents is not None and signature == self.signature:
             return self.exponents.clone(), None if self.top is None else self.top.clone()
         if exact:
-            exponents, top = found_scales(x.detach(), dim, ratio, exact)
+            exponents, top = found_scales(x.detach(), dim, OUTLIER_RATIO, exact)
         else:
-            exponents, top = channel_exponents(x.detach(), dim, ratio), None
+            exponents, top = channel_exponents(x.detach(), dim), None
         if self.exponents is not None and signature == self.signature:
             self.exponents.copy_(exponents)
             if top is not None and self.top is not None:
@@ -275,8 +256,8 @@ def scaled(
 ) -> Compressor:
     """``comp`` wrapped in :class:`ChannelScaled` where ``x``'s groups mix channels
     (``exact``: with :func:`exact_channels` of them kept as they are); ``dim``: the channel
-    dim when the caller knows it (else :func:`channel_dim`); ``scales``: the owner's
-    exponents (and exact channels), reused by the packing unless ``refresh`` (see
+    dim when the caller knows it (else :func:`channel_dim`); ``scales``: the layer's
+    exponents (and exact channels), reused unless ``refresh`` (see
     :meth:`ChannelScales.scales_for`)."""
     if dim is None:
         dim = channel_dim(x, group_size)
@@ -284,7 +265,10 @@ def scaled(
         return comp
     keep = exact_channels(x.shape[dim]) if exact else 0
     keep = min(keep, x.shape[dim] - 1)
-    return ChannelScaled(comp, dim, exact=keep, scales=scales, refresh=refresh)
+    found = None if scales is None else scales.scales_for(x, dim % x.dim(), refresh, keep)
+    if found is None:
+        return ChannelScaled(comp, dim, exact=keep)
+    return ChannelScaled(comp, dim, exact=keep, exponents=found[0], top=found[1])
 
 
 @dataclass(frozen=True)
@@ -306,10 +290,6 @@ class ChannelScaled(Wrapping):
     # each channel's largest magnitude in the tensor to pack, when the caller found it
     # already (joint_top_and_amax), else found from the tensor
     amax: torch.Tensor | None = field(default=None, compare=False, repr=False)
-    # the owner's scales, reused by the packing unless ``refresh`` (found from the tensor
-    # packed, kept for the next packings)
-    scales: ChannelScales | None = field(default=None, compare=False, repr=False)
-    refresh: bool = field(default=True, compare=False, repr=False)
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -317,14 +297,10 @@ class ChannelScaled(Wrapping):
 
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         dim = self.dim % x.dim()
-        found = None
         if self.exponents is not None and (not self.exact or self.top is not None):
-            found = self.exponents, self.top  # (given by the caller)
-        elif self.scales is not None:  # the owner's (None for float16: found here)
-            found = self.scales.scales_for(x, dim, self.refresh, self.exact, self.ratio)
-        if found is None:
-            found = found_scales(x, dim, self.ratio, self.exact, self.amax, self.top)
-        exponents, top = found
+            exponents, top = self.exponents, self.top  # (the layer's, see ChannelScales)
+        else:
+            exponents, top = found_scales(x, dim, self.ratio, self.exact, self.amax, self.top)
         extra: tuple[torch.Tensor, ...] = ()
         scaled = x / _scale(exponents, x.dtype)
         if self.exact:  # the exact channels, kept apart, are zeros here (whatever they held)
@@ -351,15 +327,4 @@ class ChannelScaled(Wrapping):
         chosen = None if self.top is None else id(self.top)
         found = None if self.exponents is None else id(self.exponents)
         amax = None if self.amax is None else id(self.amax)
-        owner = None if self.scales is None else id(self.scales)
-        return (
-            self.name,
-            self.dim,
-            self.ratio,
-            self.exact,
-            chosen,
-            found,
-            amax,
-            owner,
-            *self.inner.key(),
-        )
+        return (self.name, self.dim, self.ratio, self.exact, chosen, found, amax, *self.inner.key())

@@ -107,6 +107,9 @@ _PROBABILITY_NODES = frozenset(
 )
 # log-probabilities: backward exponentiates them, so a rounding step becomes a factor
 _EXACT_OUTPUT_NODES = frozenset({"LogSoftmaxBackward0"})
+SCALES_REFRESH = 20
+"""A save site's channel scales and exact channels are found on its first pack and every
+this many packs after (the packs between reuse them: no reductions over the tensor)."""
 _MAX_SCALE_SITES = 1 << 16  # save sites whose scales are kept (all dropped past it)
 
 
@@ -149,7 +152,7 @@ class SavedTensorHooks:
         self._dedup: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._prune_at = 4096
         self._compressors: dict[tuple[int, bool], Compressor] = {}
-        self._scales: dict[str, ChannelScales] = {}  # save site (key) -> its scales
+        self._scales: dict[str, list] = {}  # save key -> [its ChannelScales, packs so far]
         self._keys = ModuleKeys()
         self._local = threading.local()  # per thread: the active hooks and mode, suspensions
         self._warned_compiled = False
@@ -482,8 +485,7 @@ class SavedTensorHooks:
         """``comp`` with ``data``'s outlier channels apart, the largest exact: for sdpa's q
         and k the feature dims both keep exact (:func:`actcore.layers.attention.shared_exact_dims`),
         while the features stay the last dim in memory order. Elsewhere the save site
-        ``key`` reuses its scales and exact channels between refreshes
-        (:meth:`~actcore.compressors.channel_scaled.ChannelScales.due`)."""
+        ``key`` reuses its scales and exact channels between refreshes (:data:`SCALES_REFRESH`)."""
         dims = shared_exact_dims(t)
         if dims is not None and inv[-1] == t.dim() - 1:
             return ChannelScaled(comp, -1, exact=dims.numel(), top=dims)
@@ -491,8 +493,10 @@ class SavedTensorHooks:
         if site is None:
             if len(self._scales) >= _MAX_SCALE_SITES:
                 self._scales.clear()
-            site = self._scales[key] = ChannelScales()
-        return scaled(comp, data, self.group_size, True, scales=site, refresh=site.due())
+            site = self._scales[key] = [ChannelScales(), 0]
+        refresh = site[1] % SCALES_REFRESH == 0
+        site[1] += 1
+        return scaled(comp, data, self.group_size, exact=True, scales=site[0], refresh=refresh)
 
     def _record_stats(self, key: str, bits: int, numel: int, tensors: Any, meta: Any) -> None:
         assert self.stats is not None
