@@ -182,33 +182,6 @@ def test_a_layer_reuses_its_scales_until_a_refresh() -> None:
     assert scales.exponents_for(x.half(), 1, refresh=True) is None
 
 
-def test_exact_channels_are_reused_with_the_scales_and_stay_exact() -> None:
-    """With exact channels, ChannelScales keeps their indices beside the exponents: reused
-    (copies) until a refresh, found again then; a packing with reused ones still restores
-    the channels it keeps exact bit for bit, though the outlier has moved since."""
-    from actcore.compressors.channel_scaled import ChannelScales, found_scales
-
-    x = _tokens(outlier=200.0)
-    scales = ChannelScales()
-    exponents, top = scales.scales_for(x, 1, refresh=False, exact=1)
-    want_e, want_top = found_scales(x, 1, 4.0, 1)
-    assert torch.equal(exponents, want_e) and torch.equal(top, want_top) and top.tolist() == [5]
-    moved = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
-    moved[:, 40] *= 300.0
-    e2, top2 = scales.scales_for(moved, 1, refresh=False, exact=1)
-    assert top2 is not top and torch.equal(top2, top) and torch.equal(e2, exponents)
-    comp = scaled(Quantize(2, 256, per_sample=False), moved, 256, True, 1, scales, False)
-    assert comp.exact == 1 and torch.equal(comp.top, top)
-    tensors, meta = comp.pack(moved)
-    back = comp.unpack(tensors, meta)
-    assert torch.equal(back[:, 5], moved[:, 5])  # the kept channel, exact though not largest
-    assert torch.isfinite(back).all()
-    e3, top3 = scales.scales_for(moved, 1, refresh=True, exact=1)
-    assert top3.tolist() == [40] and torch.equal(e3, found_scales(moved, 1, 4.0, 1)[0])
-    assert torch.equal(top, want_top) and torch.equal(e2, want_e)  # earlier copies unchanged
-    assert scales.scales_for(moved, 1, refresh=False, exact=2)[1].numel() == 2  # new count
-
-
 def test_stale_scales_keep_the_rounding_unbiased() -> None:
     """Exponents found on another step's values (here the outlier moved to another channel):
     the mean of 400 stochastic roundings is within 4 standard errors of x everywhere."""

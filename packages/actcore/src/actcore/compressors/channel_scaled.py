@@ -39,7 +39,6 @@ __all__ = [
     "channel_dim",
     "channel_exponents",
     "exact_channels",
-    "found_scales",
     "joint_top",
     "joint_top_and_amax",
     "scaled",
@@ -135,78 +134,42 @@ def _capped_exponents(amax: torch.Tensor, ratio: float, dtype: torch.dtype) -> t
 def channel_exponents(x: torch.Tensor, dim: int, ratio: float = OUTLIER_RATIO) -> torch.Tensor:
     """int8 ``e`` per channel of ``x`` along ``dim`` (shaped to broadcast against ``x``): the
     outlier channels' power-of-two scale exponents, 0 for the others."""
-    return found_scales(x, dim, ratio, 0)[0]
+    return _capped_exponents(_channel_amax(x, dim), ratio, x.dtype)
 
 
 class ChannelScales:
-    """One layer's (or save site's) channel-scale exponents, and with exact channels their
-    indices, found on a step that refreshes them and reused on the others while the tensor's
-    channels, dtype and device are the same.
+    """One layer's channel-scale exponents, found on a step that refreshes them and reused on
+    the others while the tensor's channels, dtype and device are the same.
 
     Not for float16, whose narrow exponent range could underflow a channel whose values
     shrank since (its exponents are found on every step)."""
 
-    __slots__ = ("exponents", "signature", "top")
+    __slots__ = ("exponents", "signature")
 
     def __init__(self) -> None:
         self.exponents: torch.Tensor | None = None
-        self.top: torch.Tensor | None = None
         self.signature: tuple | None = None
 
     def exponents_for(self, x: torch.Tensor, dim: int, refresh: bool) -> torch.Tensor | None:
-        """The exponents to scale ``x`` by (no exact channels): see :meth:`scales_for`."""
-        found = self.scales_for(x, dim, refresh)
-        return None if found is None else found[0]
+        """The exponents to scale ``x`` by: found again when ``refresh`` or when ``x`` differs
+        in layout, else the last ones; None for float16 (the packing finds them).
 
-    def scales_for(
-        self, x: torch.Tensor, dim: int, refresh: bool, exact: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The exponents to scale ``x`` by and the indices of its ``exact`` channels kept as
-        they are (None without): found again when ``refresh`` or when ``x`` differs in
-        layout, else the last ones; None for float16 (the packing finds them).
-
-        A packing gets tensors of its own (copies of the kept ones, or those just found),
+        A packing gets exponents of its own (a copy of the kept ones, or those just found),
         allocated with it either way, so a step keeps the same bytes whether it refreshed;
-        the kept ones are private copies, updated in place (a packing still held, as with
-        gradient accumulation, never sees its exponents change). Reused ones are stale by
-        a few steps: the rounding stays unbiased and the exact channels exact, only the
-        choice of which channels to scale or keep may lag the tensor's."""
+        the kept ones are a private copy, updated in place (a packing still held, as with
+        gradient accumulation, never sees its exponents change)."""
         if x.dtype == torch.float16:
             return None
-        signature = (x.dim(), dim, x.shape[dim], x.dtype, x.device, exact)
+        signature = (x.dim(), dim, x.shape[dim], x.dtype, x.device)
         if not refresh and self.exponents is not None and signature == self.signature:
-            return self.exponents.clone(), None if self.top is None else self.top.clone()
-        if exact:
-            exponents, top = found_scales(x.detach(), dim, OUTLIER_RATIO, exact)
-        else:
-            exponents, top = channel_exponents(x.detach(), dim), None
+            return self.exponents.clone()
+        found = channel_exponents(x.detach(), dim)
         if self.exponents is not None and signature == self.signature:
-            self.exponents.copy_(exponents)
-            if top is not None and self.top is not None:
-                self.top.copy_(top)
+            self.exponents.copy_(found)
         else:
-            self.exponents = exponents.clone()
-            self.top = None if top is None else top.clone()
+            self.exponents = found.clone()
             self.signature = signature
-        return exponents, top
-
-
-def found_scales(
-    x: torch.Tensor,
-    dim: int,
-    ratio: float,
-    exact: int,
-    amax: torch.Tensor | None = None,
-    top: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``x``'s scale exponents along ``dim`` and, with ``exact``, the indices of its
-    ``exact`` channels of largest magnitude (``top`` when given), left out of the
-    exponents' median; ``amax``: the channel magnitudes when the caller has them."""
-    amax = _channel_amax(x, dim) if amax is None else amax
-    if exact:
-        top = amax.flatten().topk(exact).indices if top is None else top
-        amax = amax.index_fill(dim, top, 0)
-    return _capped_exponents(amax, ratio, x.dtype), top if exact else None
+        return found
 
 
 def joint_top(a: torch.Tensor, b: torch.Tensor, dim: int, count: int) -> torch.Tensor:
@@ -257,18 +220,18 @@ def scaled(
     """``comp`` wrapped in :class:`ChannelScaled` where ``x``'s groups mix channels
     (``exact``: with :func:`exact_channels` of them kept as they are); ``dim``: the channel
     dim when the caller knows it (else :func:`channel_dim`); ``scales``: the layer's
-    exponents (and exact channels), reused unless ``refresh`` (see
-    :meth:`ChannelScales.scales_for`)."""
+    exponents, reused unless ``refresh`` (see :meth:`ChannelScales.exponents_for`; not with
+    ``exact``)."""
     if dim is None:
         dim = channel_dim(x, group_size)
     if dim is None or x.dim() == 0 or x.shape[dim] < 2:
         return comp
     keep = exact_channels(x.shape[dim]) if exact else 0
     keep = min(keep, x.shape[dim] - 1)
-    found = None if scales is None else scales.scales_for(x, dim % x.dim(), refresh, keep)
-    if found is None:
-        return ChannelScaled(comp, dim, exact=keep)
-    return ChannelScaled(comp, dim, exact=keep, exponents=found[0], top=found[1])
+    found = None
+    if scales is not None and keep == 0:
+        found = scales.exponents_for(x, dim % x.dim(), refresh)
+    return ChannelScaled(comp, dim, exact=keep, exponents=found)
 
 
 @dataclass(frozen=True)
@@ -297,16 +260,19 @@ class ChannelScaled(Wrapping):
 
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         dim = self.dim % x.dim()
-        if self.exponents is not None and (not self.exact or self.top is not None):
-            exponents, top = self.exponents, self.top  # (the layer's, see ChannelScales)
-        else:
-            exponents, top = found_scales(x, dim, self.ratio, self.exact, self.amax, self.top)
         extra: tuple[torch.Tensor, ...] = ()
+        if self.exponents is not None and not self.exact:
+            exponents = self.exponents  # (the layer's, see ChannelScales)
+        else:
+            amax = _channel_amax(x, dim) if self.amax is None else self.amax
+            if self.exact:
+                top = amax.flatten().topk(self.exact).indices if self.top is None else self.top
+                extra = (x.index_select(dim, top), top)
+                amax = amax.index_fill(dim, top, 0)
+            exponents = _capped_exponents(amax, self.ratio, x.dtype)
         scaled = x / _scale(exponents, x.dtype)
         if self.exact:  # the exact channels, kept apart, are zeros here (whatever they held)
-            assert top is not None
-            extra = (x.index_select(dim, top), top)
-            scaled.index_fill_(dim, top, 0)
+            scaled.index_fill_(dim, extra[1], 0)
         tensors, meta = self.inner.pack(scaled)
         return (*tensors, exponents, *extra), (meta, len(tensors), dim)
 

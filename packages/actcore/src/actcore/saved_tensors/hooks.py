@@ -72,7 +72,7 @@ from ..compressors import (
     ZeroValue,
     restoring,
 )
-from ..compressors.channel_scaled import ChannelScales, scaled
+from ..compressors.channel_scaled import scaled
 from ..layers import roles, stash
 from ..layers.attention import shared_exact_dims
 from ..layers.routing import AttentionRouter
@@ -107,10 +107,6 @@ _PROBABILITY_NODES = frozenset(
 )
 # log-probabilities: backward exponentiates them, so a rounding step becomes a factor
 _EXACT_OUTPUT_NODES = frozenset({"LogSoftmaxBackward0"})
-SCALES_REFRESH = 20
-"""A save site's channel scales and exact channels are found on its first pack and every
-this many packs after (the packs between reuse them: no reductions over the tensor)."""
-_MAX_SCALE_SITES = 1 << 16  # save sites whose scales are kept (all dropped past it)
 
 
 class SavedTensorHooks:
@@ -152,7 +148,6 @@ class SavedTensorHooks:
         self._dedup: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._prune_at = 4096
         self._compressors: dict[tuple[int, bool], Compressor] = {}
-        self._scales: dict[str, list] = {}  # save key -> [its ChannelScales, packs so far]
         self._keys = ModuleKeys()
         self._local = threading.local()  # per thread: the active hooks and mode, suspensions
         self._warned_compiled = False
@@ -459,7 +454,7 @@ class SavedTensorHooks:
             if known is not None:  # a ReLU's own 1-bit mask: keep the nonzeros only
                 comp = ZeroValue(known, Quantize(bits, self.group_size, per_sample=False))
             else:  # outlier channels apart (some exact: backward may be nonlinear in t)
-                comp = self._channel_scaled(comp, t, data, inv, key)
+                comp = self._channel_scaled(comp, t, data, inv)
                 if fn is not None and type(fn).__name__ in _RELU_NODES:
                     mask = ops.pack_mask(data != 0)
         with rng.using(self.stream):
@@ -480,23 +475,15 @@ class SavedTensorHooks:
         return h
 
     def _channel_scaled(
-        self, comp: Compressor, t: Tensor, data: Tensor, inv: tuple[int, ...], key: str
+        self, comp: Compressor, t: Tensor, data: Tensor, inv: tuple[int, ...]
     ) -> Compressor:
         """``comp`` with ``data``'s outlier channels apart, the largest exact: for sdpa's q
         and k the feature dims both keep exact (:func:`actcore.layers.attention.shared_exact_dims`),
-        while the features stay the last dim in memory order. Elsewhere the save site
-        ``key`` reuses its scales and exact channels between refreshes (:data:`SCALES_REFRESH`)."""
+        while the features stay the last dim in memory order."""
         dims = shared_exact_dims(t)
         if dims is not None and inv[-1] == t.dim() - 1:
             return ChannelScaled(comp, -1, exact=dims.numel(), top=dims)
-        site = self._scales.get(key)
-        if site is None:
-            if len(self._scales) >= _MAX_SCALE_SITES:
-                self._scales.clear()
-            site = self._scales[key] = [ChannelScales(), 0]
-        refresh = site[1] % SCALES_REFRESH == 0
-        site[1] += 1
-        return scaled(comp, data, self.group_size, exact=True, scales=site[0], refresh=refresh)
+        return scaled(comp, data, self.group_size, exact=True)
 
     def _record_stats(self, key: str, bits: int, numel: int, tensors: Any, meta: Any) -> None:
         assert self.stats is not None
