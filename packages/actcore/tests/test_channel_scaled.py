@@ -182,6 +182,34 @@ def test_a_layer_reuses_its_scales_until_a_refresh() -> None:
     assert scales.exponents_for(x.half(), 1, refresh=True) is None
 
 
+def test_exact_channels_are_reused_with_the_scales_and_stay_exact() -> None:
+    """With exact channels, ChannelScales keeps their indices beside the exponents: reused
+    (copies) until a refresh, found again then; a packing with reused ones still restores
+    the channels it keeps exact bit for bit, though the outlier has moved since."""
+    from actcore.compressors.channel_scaled import ChannelScales, found_scales
+
+    x = _tokens(outlier=200.0)
+    scales = ChannelScales()
+    exponents, top = scales.scales_for(x, 1, refresh=False, exact=1)
+    want_e, want_top = found_scales(x, 1, 4.0, 1)
+    assert torch.equal(exponents, want_e) and torch.equal(top, want_top) and top.tolist() == [5]
+    moved = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
+    moved[:, 40] *= 300.0
+    e2, top2 = scales.scales_for(moved, 1, refresh=False, exact=1)
+    assert top2 is not top and torch.equal(top2, top) and torch.equal(e2, exponents)
+    comp = scaled(Quantize(2, 256, per_sample=False), moved, 256, True, 1, scales, False)
+    assert comp.exact == 1 and comp.scales is scales  # (the packing asks them)
+    tensors, meta = comp.pack(moved)
+    assert torch.equal(tensors[-1], top) and torch.equal(tensors[-3], exponents)
+    back = comp.unpack(tensors, meta)
+    assert torch.equal(back[:, 5], moved[:, 5])  # the kept channel, exact though not largest
+    assert torch.isfinite(back).all()
+    e3, top3 = scales.scales_for(moved, 1, refresh=True, exact=1)
+    assert top3.tolist() == [40] and torch.equal(e3, found_scales(moved, 1, 4.0, 1)[0])
+    assert torch.equal(top, want_top) and torch.equal(e2, want_e)  # earlier copies unchanged
+    assert scales.scales_for(moved, 1, refresh=False, exact=2)[1].numel() == 2  # new count
+
+
 def test_stale_scales_keep_the_rounding_unbiased() -> None:
     """Exponents found on another step's values (here the outlier moved to another channel):
     the mean of 400 stochastic roundings is within 4 standard errors of x everywhere."""
@@ -230,5 +258,45 @@ def test_converted_linear_refreshes_on_the_schemes_statistics_steps() -> None:
             patch.setattr(channel_scaled, "channel_exponents", counted)
             model(x).square().mean().backward()
         seen.append((collecting, len(found)))
-    assert all(count == (2 if collecting else 0) for collecting, count in seen), seen
+    # one input packed: the second linear's is the GELU's output, rebuilt from the GELU's
+    # own packing (scales are found by the packing, so nothing is found for it)
+    assert all(count == (1 if collecting else 0) for collecting, count in seen), seen
     assert not all(c for c, _ in seen) and any(c for c, _ in seen[5:])
+
+
+def test_a_converted_norm_reuses_its_exact_channels_between_refreshes() -> None:
+    """A Q-layer whose input keeps exact channels (a layer norm's) finds its scales on its
+    first use and every SCALES_REFRESH uses after, reusing them in between; the forward is
+    the plain model's bit for bit on every step."""
+    import copy
+
+    import actcore
+    from actcore.compressors import channel_scaled
+    from actcore.compressors.channel_scaled import SCALES_REFRESH
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(
+        torch.nn.Linear(96, 96), torch.nn.LayerNorm(96), torch.nn.Linear(96, 8)
+    )
+    model = copy.deepcopy(plain)
+    actcore.convert(model, level="L3")
+    x = _tokens(outlier=200.0)
+    original = channel_scaled.found_scales
+    exact_finds: list[int] = []
+
+    def counted(x, dim, ratio, exact, *args, **kwargs):
+        if exact:
+            exact_finds.append(1)
+        return original(x, dim, ratio, exact, *args, **kwargs)
+
+    per_step = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(channel_scaled, "found_scales", counted)
+        for _ in range(SCALES_REFRESH + 2):
+            exact_finds.clear()
+            out = model(x)
+            assert torch.equal(out, plain(x))
+            out.square().mean().backward()
+            per_step.append(len(exact_finds))
+    assert per_step == [1] + [0] * (SCALES_REFRESH - 1) + [1, 0]
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())

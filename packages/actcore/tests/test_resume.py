@@ -144,6 +144,36 @@ def test_resume_in_a_fresh_process_is_bitwise_identical(tmp_path: Path) -> None:
         assert same, f"{route} {level}: the resumed run differs from the uninterrupted one"
 
 
+def test_kept_channel_scales_are_in_the_state_and_checked() -> None:
+    """Both routes' states carry the channel scales kept between refreshes (a resumed run
+    reuses them as the uninterrupted one does); a bad part is refused before any change."""
+    for route, level in (("layers", "L3"), ("hooks", "G2")):
+        model, act, opt = _build(route, level)
+        try:
+            _steps(model, act, opt, 0, 3)
+        finally:
+            if act is not None:
+                act.uninstall_hook()
+        state = _act_state(model, act)
+        scales = state["channel_scales"]
+        assert scales, route
+        entries = list(scales.values())
+        if route == "layers":
+            entries = [e for table in entries for e in table.values()]
+        found = [e for e in entries if e["exponents"] is not None]  # (some never packed)
+        assert found and all(e["exponents"].dtype == torch.int8 for e in found)
+        assert any(e["uses"] >= 1 for e in entries)  # (a norm's refresh count; a conv's: 0)
+        bad = dict(state, channel_scales={"no.such.site": {"uses": -1}})
+        if route == "layers":
+            bad["channel_scales"] = {"no_such_module": {}}
+            with pytest.raises(KeyError, match="no_such_module"):
+                actcore.resume.load_state_dict(model, bad)
+        else:
+            with pytest.raises(ValueError, match="ChannelScales state"):
+                act.load_state_dict(bad)
+            assert act.saved_tensor_hooks.scales_state().keys() == scales.keys()  # unchanged
+
+
 def test_seed_streams_are_per_model_threads_and_history_do_not_matter() -> None:
     """Two models trained in two threads reproduce a sequential run, whatever ran before.
 

@@ -94,6 +94,43 @@ def test_what_passes_through_and_what_is_packed() -> None:
     assert back.dtype == act.dtype and back.shape == act.shape
 
 
+def test_a_save_site_finds_its_channel_scales_every_refresh_interval() -> None:
+    """Each save site (module, call, save) finds its channel scales and exact channels on its
+    first pack and every SCALES_REFRESH packs after; in between they are reused, with no
+    reduction over the tensor. Forward stays bitwise plain, gradients close."""
+    from actcore.compressors import channel_scaled
+    from actcore.compressors.channel_scaled import SCALES_REFRESH
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 8))
+    x = torch.randn(32, 64)
+    x[:, 3] *= 50  # an outlier channel of the first linear's input
+    found: list[int] = []
+    original = channel_scaled.found_scales
+
+    def counted(*args, **kwargs):
+        found.append(1)
+        return original(*args, **kwargs)
+
+    plain = model(x)
+    per_step = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(channel_scaled, "found_scales", counted)
+        hooks = SavedTensorHooks(2, model=model, min_numel=256)
+        for _ in range(SCALES_REFRESH + 2):
+            found.clear()
+            model.zero_grad(set_to_none=True)
+            with hooks:
+                out = model(x)
+            assert torch.equal(out, plain)
+            out.square().mean().backward()
+            per_step.append(len(found))
+    sites = per_step[0]
+    assert sites >= 2  # the two linears' inputs (and the tanh's output) are scaled
+    assert per_step == [sites] + [0] * (SCALES_REFRESH - 1) + [sites, 0]
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_views_restore_shape_strides_and_values(dtype: torch.dtype) -> None:
     hooks = SavedTensorHooks(8, min_numel=1)

@@ -39,7 +39,7 @@ from .policies import (
     plan_modules,
 )
 from .rng import SeedStream
-from .saved_tensors.hooks import SavedTensorHooks
+from .saved_tensors.hooks import SavedTensorHooks, scales_from_state
 
 __all__ = ["Controller", "swap_activations"]
 
@@ -173,6 +173,7 @@ class Controller:
             "policy": (policy := self.policy.state_dict()),
             "modules": plan_modules(self.model, policy),
             "rng": self.rng.state_dict(),
+            "channel_scales": self.saved_tensor_hooks.scales_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -187,7 +188,12 @@ class Controller:
         if stream is not None:
             SeedStream(0).load_state_dict(stream)  # checked before anything changes
         check_modules(self.model, state.get("modules"), "Controller state")
+        scales = state.get("channel_scales")
+        if scales is not None:  # checked whole before anything changes
+            scales = scales_from_state(scales)
         self.policy.load_state_dict(state["policy"])  # checks all first, then changes
+        if scales is not None:
+            self.saved_tensor_hooks.use_scales(scales)
         self.iteration = iteration
         if stream is not None:
             self.rng.load_state_dict(stream)

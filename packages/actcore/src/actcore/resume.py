@@ -10,8 +10,8 @@
 
 The state holds the model's stream of rounding seeds (``act_rng``), its adaptive-bits plan
 and statistics (``act_adaptive``, levels L3 and up), its policy (``act_policy``) and the
-memory plan :func:`actcore.fit_budget` set (``act_memory_plan``: each Q-layer's level), where
-present. Loading checks every part before changing any. (The hooks route: a
+memory plan :func:`actcore.fit_budget` set (``act_memory_plan``: each Q-layer's level) and
+the Q-layers' kept channel scales (``channel_scales``), where present. Loading checks every part before changing any. (The hooks route: a
 :class:`actcore.Controller`'s own ``state_dict`` holds the same.)
 """
 
@@ -23,6 +23,7 @@ from torch import nn
 
 from .adaptive import AdaptiveBits
 from .budget import MemoryPlan
+from .compressors.channel_scaled import ChannelScales
 from .rng import SeedStream
 
 __all__ = ["load_state_dict", "state_dict"]
@@ -43,7 +44,44 @@ def state_dict(model: nn.Module) -> dict[str, Any]:
     plan = model.__dict__.get("act_memory_plan")
     if isinstance(plan, MemoryPlan):
         state["memory_plan"] = plan.state_dict()
+    scales = _layer_scales(model)
+    if scales:
+        state["channel_scales"] = {
+            name: {f"{role}/{dim}": s.state_dict() for (role, dim), s in table.items()}
+            for name, table in scales.items()
+        }
     return state
+
+
+def _layer_scales(model: nn.Module) -> dict[str, dict]:
+    """Each Q-layer's kept channel scales (``act_channel_scales``), by module name."""
+    found = {}
+    for name, module in model.named_modules():
+        table = module.__dict__.get("act_channel_scales")
+        if table:
+            found[name] = table
+    return found
+
+
+def _scales_from_state(model: nn.Module, state: Any) -> dict[str, dict]:
+    """The ``channel_scales`` part, checked: module name -> {(role, dim): ChannelScales}."""
+    if not isinstance(state, dict):
+        raise TypeError(f"channel_scales must be a dict, got {type(state).__name__}")
+    names = dict(model.named_modules())
+    tables = {}
+    for name, table in state.items():
+        if name not in names:
+            raise KeyError(f"channel_scales names module {name!r}, which this model lacks")
+        if not isinstance(table, dict):
+            raise TypeError(f"channel_scales[{name!r}] must be a dict")
+        entries = {}
+        for key, value in table.items():
+            role, sep, dim = str(key).rpartition("/")
+            if not sep or not dim.isdigit():
+                raise ValueError(f"channel_scales[{name!r}]: bad key {key!r} (ROLE/DIM)")
+            entries[role, int(dim)] = ChannelScales.from_state_dict(value)
+        tables[name] = entries
+    return tables
 
 
 def load_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
@@ -55,6 +93,7 @@ def load_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
         "adaptive": getattr(model, "act_adaptive", None),
         "policy": getattr(model, "act_policy", None),
         "memory_plan": model,  # any converted model can take a plan of its Q-layers' levels
+        "channel_scales": model,  # its Q-layers' kept scales
     }
     for key in state:
         if key not in parts:
@@ -71,6 +110,9 @@ def load_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
     plan = MemoryPlan.from_state_dict(state["memory_plan"]) if "memory_plan" in state else None
     if plan is not None:
         plan.check(model)  # check only
+    scales = (
+        _scales_from_state(model, state["channel_scales"]) if "channel_scales" in state else None
+    )
     if "policy" in state:
         parts["policy"].load_state_dict(state["policy"])  # checks all, then changes
     if plan is not None:
@@ -79,3 +121,7 @@ def load_state_dict(model: nn.Module, state: dict[str, Any]) -> None:
         parts["adaptive"].load_state_dict(state["adaptive"])
     if "rng" in state:
         parts["rng"].load_state_dict(state["rng"])
+    if scales is not None:
+        modules = dict(model.named_modules())
+        for name, table in scales.items():
+            object.__setattr__(modules[name], "act_channel_scales", table)

@@ -34,11 +34,13 @@ from .base import Compressor, Tensors, Wrapping
 
 __all__ = [
     "OUTLIER_RATIO",
+    "SCALES_REFRESH",
     "ChannelScaled",
     "ChannelScales",
     "channel_dim",
     "channel_exponents",
     "exact_channels",
+    "found_scales",
     "joint_top",
     "joint_top_and_amax",
     "scaled",
@@ -49,6 +51,10 @@ OUTLIER_RATIO = 4.0
 channel's; it is then scaled down to that bound."""
 
 _MAX_SCALE = 2.0**20  # a channel is never divided by more (nor by a non-finite scale)
+
+SCALES_REFRESH = 20
+"""Scales reused by an owner without statistics steps (a norm's or activation's layer, a
+hooks-route save site) are found on its first use and every this many uses after."""
 
 
 def _channel_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -134,42 +140,144 @@ def _capped_exponents(amax: torch.Tensor, ratio: float, dtype: torch.dtype) -> t
 def channel_exponents(x: torch.Tensor, dim: int, ratio: float = OUTLIER_RATIO) -> torch.Tensor:
     """int8 ``e`` per channel of ``x`` along ``dim`` (shaped to broadcast against ``x``): the
     outlier channels' power-of-two scale exponents, 0 for the others."""
-    return _capped_exponents(_channel_amax(x, dim), ratio, x.dtype)
+    return found_scales(x, dim, ratio, 0)[0]
 
 
 class ChannelScales:
-    """One layer's channel-scale exponents, found on a step that refreshes them and reused on
-    the others while the tensor's channels, dtype and device are the same.
+    """One layer's (or save site's) channel-scale exponents, and with exact channels their
+    indices, found on a step that refreshes them and reused on the others while the tensor's
+    channels, dtype and device are the same.
 
     Not for float16, whose narrow exponent range could underflow a channel whose values
     shrank since (its exponents are found on every step)."""
 
-    __slots__ = ("exponents", "signature")
+    __slots__ = ("exponents", "signature", "top", "uses")
 
     def __init__(self) -> None:
         self.exponents: torch.Tensor | None = None
+        self.top: torch.Tensor | None = None
         self.signature: tuple | None = None
+        self.uses = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to reuse these scales as the uninterrupted run does."""
+        sig = self.signature
+        return {
+            "exponents": self.exponents,
+            "top": self.top,
+            "uses": self.uses,
+            "signature": None if sig is None else [*sig[:3], str(sig[3]), str(sig[4]), *sig[5:]],
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Any) -> ChannelScales:
+        """Scales from :meth:`state_dict` (TypeError / ValueError naming what is wrong)."""
+        if not isinstance(state, dict) or set(state) != {"exponents", "top", "uses", "signature"}:
+            raise ValueError(
+                f"a ChannelScales state is a dict of exponents, top, uses and "
+                f"signature, got {state!r:.200}"
+            )
+        uses, sig = state["uses"], state["signature"]
+        if isinstance(uses, bool) or not isinstance(uses, int) or uses < 0:
+            raise ValueError(f"ChannelScales state: uses must be an int >= 0, got {uses!r}")
+        scales = cls()
+        scales.uses = uses
+        if sig is None:
+            return scales
+        exponents, top = state["exponents"], state["top"]
+        if not isinstance(exponents, torch.Tensor) or exponents.dtype != torch.int8:
+            raise ValueError(
+                f"ChannelScales state: exponents must be an int8 tensor, got {exponents!r:.80}"
+            )
+        if top is not None and not isinstance(top, torch.Tensor):
+            raise ValueError(f"ChannelScales state: top must be a tensor or None, got {top!r:.80}")
+        if not isinstance(sig, (list, tuple)) or len(sig) != 7:
+            raise ValueError(f"ChannelScales state: bad signature {sig!r}")
+        dtype = getattr(torch, str(sig[3]).removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"ChannelScales state: unknown dtype {sig[3]!r}")
+        device = torch.device(sig[4])
+        # copies: refreshes update them in place, never the state handed in
+        scales.exponents = exponents.to(device).clone()
+        scales.top = None if top is None else top.to(device).clone()
+        scales.signature = (
+            int(sig[0]),
+            int(sig[1]),
+            int(sig[2]),
+            dtype,
+            device,
+            int(sig[5]),
+            float(sig[6]),
+        )
+        return scales
+
+    def due(self, every: int | None = None) -> bool:
+        """Whether this use should find the scales again: the first and every ``every``-th
+        (default :data:`SCALES_REFRESH`; for owners without statistics steps of their own
+        to refresh on)."""
+        due = self.uses % (SCALES_REFRESH if every is None else every) == 0
+        self.uses += 1
+        return due
 
     def exponents_for(self, x: torch.Tensor, dim: int, refresh: bool) -> torch.Tensor | None:
-        """The exponents to scale ``x`` by: found again when ``refresh`` or when ``x`` differs
-        in layout, else the last ones; None for float16 (the packing finds them).
+        """The exponents to scale ``x`` by (no exact channels): see :meth:`scales_for`."""
+        found = self.scales_for(x, dim, refresh)
+        return None if found is None else found[0]
 
-        A packing gets exponents of its own (a copy of the kept ones, or those just found),
+    def scales_for(
+        self,
+        x: torch.Tensor,
+        dim: int,
+        refresh: bool,
+        exact: int = 0,
+        ratio: float = OUTLIER_RATIO,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The exponents to scale ``x`` by and the indices of its ``exact`` channels kept as
+        they are (None without): found again when ``refresh`` or when ``x`` differs in
+        layout, else the last ones; None for float16 (the packing finds them).
+
+        A packing gets tensors of its own (copies of the kept ones, or those just found),
         allocated with it either way, so a step keeps the same bytes whether it refreshed;
-        the kept ones are a private copy, updated in place (a packing still held, as with
-        gradient accumulation, never sees its exponents change)."""
+        the kept ones are private copies, updated in place (a packing still held, as with
+        gradient accumulation, never sees its exponents change). Reused ones are stale by
+        a few steps: the rounding stays unbiased and the exact channels exact, only the
+        choice of which channels to scale or keep may lag the tensor's."""
         if x.dtype == torch.float16:
             return None
-        signature = (x.dim(), dim, x.shape[dim], x.dtype, x.device)
+        signature = (x.dim(), dim, x.shape[dim], x.dtype, x.device, exact, ratio)
         if not refresh and self.exponents is not None and signature == self.signature:
-            return self.exponents.clone()
-        found = channel_exponents(x.detach(), dim)
-        if self.exponents is not None and signature == self.signature:
-            self.exponents.copy_(found)
+            return self.exponents.clone(), None if self.top is None else self.top.clone()
+        if exact:
+            exponents, top = found_scales(x.detach(), dim, ratio, exact)
         else:
-            self.exponents = found.clone()
+            exponents, top = channel_exponents(x.detach(), dim, ratio), None
+        if self.exponents is not None and signature == self.signature:
+            self.exponents.copy_(exponents)
+            if top is not None and self.top is not None:
+                self.top.copy_(top)
+        else:
+            self.exponents = exponents.clone()
+            self.top = None if top is None else top.clone()
             self.signature = signature
-        return found
+        return exponents, top
+
+
+def found_scales(
+    x: torch.Tensor,
+    dim: int,
+    ratio: float,
+    exact: int,
+    amax: torch.Tensor | None = None,
+    top: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x``'s scale exponents along ``dim`` and, with ``exact``, the indices of its
+    ``exact`` channels of largest magnitude (``top`` when given), left out of the
+    exponents' median; ``amax``: the channel magnitudes when the caller has them."""
+    amax = _channel_amax(x, dim) if amax is None else amax
+    if exact:
+        top = amax.flatten().topk(exact).indices if top is None else top
+        amax = amax.index_fill(dim, top, 0)
+    return _capped_exponents(amax, ratio, x.dtype), top if exact else None
 
 
 def joint_top(a: torch.Tensor, b: torch.Tensor, dim: int, count: int) -> torch.Tensor:
@@ -219,19 +327,16 @@ def scaled(
 ) -> Compressor:
     """``comp`` wrapped in :class:`ChannelScaled` where ``x``'s groups mix channels
     (``exact``: with :func:`exact_channels` of them kept as they are); ``dim``: the channel
-    dim when the caller knows it (else :func:`channel_dim`); ``scales``: the layer's
-    exponents, reused unless ``refresh`` (see :meth:`ChannelScales.exponents_for`; not with
-    ``exact``)."""
+    dim when the caller knows it (else :func:`channel_dim`); ``scales``: the owner's
+    exponents (and exact channels), reused by the packing unless ``refresh`` (see
+    :meth:`ChannelScales.scales_for`)."""
     if dim is None:
         dim = channel_dim(x, group_size)
     if dim is None or x.dim() == 0 or x.shape[dim] < 2:
         return comp
     keep = exact_channels(x.shape[dim]) if exact else 0
     keep = min(keep, x.shape[dim] - 1)
-    found = None
-    if scales is not None and keep == 0:
-        found = scales.exponents_for(x, dim % x.dim(), refresh)
-    return ChannelScaled(comp, dim, exact=keep, exponents=found)
+    return ChannelScaled(comp, dim, exact=keep, scales=scales, refresh=refresh)
 
 
 @dataclass(frozen=True)
@@ -253,6 +358,10 @@ class ChannelScaled(Wrapping):
     # each channel's largest magnitude in the tensor to pack, when the caller found it
     # already (joint_top_and_amax), else found from the tensor
     amax: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # the owner's scales, reused by the packing unless ``refresh`` (found from the tensor
+    # packed, kept for the next packings)
+    scales: ChannelScales | None = field(default=None, compare=False, repr=False)
+    refresh: bool = field(default=True, compare=False, repr=False)
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -260,19 +369,20 @@ class ChannelScaled(Wrapping):
 
     def pack(self, x: torch.Tensor) -> tuple[Tensors, Any]:
         dim = self.dim % x.dim()
+        found = None
+        if self.exponents is not None and (not self.exact or self.top is not None):
+            found = self.exponents, self.top  # (given by the caller)
+        elif self.scales is not None:  # the owner's (None for float16: found here)
+            found = self.scales.scales_for(x, dim, self.refresh, self.exact, self.ratio)
+        if found is None:
+            found = found_scales(x, dim, self.ratio, self.exact, self.amax, self.top)
+        exponents, top = found
         extra: tuple[torch.Tensor, ...] = ()
-        if self.exponents is not None and not self.exact:
-            exponents = self.exponents  # (the layer's, see ChannelScales)
-        else:
-            amax = _channel_amax(x, dim) if self.amax is None else self.amax
-            if self.exact:
-                top = amax.flatten().topk(self.exact).indices if self.top is None else self.top
-                extra = (x.index_select(dim, top), top)
-                amax = amax.index_fill(dim, top, 0)
-            exponents = _capped_exponents(amax, self.ratio, x.dtype)
         scaled = x / _scale(exponents, x.dtype)
         if self.exact:  # the exact channels, kept apart, are zeros here (whatever they held)
-            scaled.index_fill_(dim, extra[1], 0)
+            assert top is not None
+            extra = (x.index_select(dim, top), top)
+            scaled.index_fill_(dim, top, 0)
         tensors, meta = self.inner.pack(scaled)
         return (*tensors, exponents, *extra), (meta, len(tensors), dim)
 
@@ -293,4 +403,15 @@ class ChannelScaled(Wrapping):
         chosen = None if self.top is None else id(self.top)
         found = None if self.exponents is None else id(self.exponents)
         amax = None if self.amax is None else id(self.amax)
-        return (self.name, self.dim, self.ratio, self.exact, chosen, found, amax, *self.inner.key())
+        owner = None if self.scales is None else id(self.scales)
+        return (
+            self.name,
+            self.dim,
+            self.ratio,
+            self.exact,
+            chosen,
+            found,
+            amax,
+            owner,
+            *self.inner.key(),
+        )

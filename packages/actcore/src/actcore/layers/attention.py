@@ -85,7 +85,9 @@ def _same_exact_dims(
     if not (q_.exact and q_.exact == k_.exact and q.shape[-1] == k.shape[-1]):
         return q_, k_
     top, amax_q, amax_k = joint_top_and_amax(q, k, -1, q_.exact)
-    return replace(q_, top=top, amax=amax_q), replace(k_, top=top, amax=amax_k)
+    # (the joint dims, not a layer's kept ones: their exponents are found with them)
+    joint = {"top": top, "exponents": None, "scales": None}
+    return replace(q_, amax=amax_q, **joint), replace(k_, amax=amax_k, **joint)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

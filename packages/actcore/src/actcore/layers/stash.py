@@ -200,25 +200,32 @@ def choose(layer: Any, role: str, x: torch.Tensor, channel_dim: int | None = Non
         else:
             base = Quantize(bits, config.group_size, stochastic=config.stochastic)
         if role in roles.SCALED_ROLES and not isinstance(base, ZeroValue):
-            # outlier channels apart; exact where backward is nonlinear in the tensor (a
-            # conv / linear input reuses its scales between the scheme's statistics steps)
+            # outlier channels apart; exact where backward is nonlinear in the tensor. A
+            # conv / linear input reuses its scales between the scheme's statistics steps,
+            # a module's other inputs between refreshes (a functional call has no layer of
+            # its own to keep them on)
             collecting = getattr(scheme, "collecting", None)
-            reuse = role == CONV and collecting is not None
+            scales, refresh = None, True
+            if role == CONV and collecting is not None:
+                scales, refresh = _channel_scales(layer, role, x), collecting()
+            elif role != CONV and isinstance(layer, torch.nn.Module):
+                scales = _channel_scales(layer, role, x)
+                refresh = scales is None or scales.due()
             base = scaled(
                 base,
                 x,
                 config.group_size,
                 exact=role != CONV,
                 dim=channel_dim,
-                scales=_channel_scales(layer, role, x) if reuse else None,
-                refresh=collecting() if reuse else True,
+                scales=scales,
+                refresh=refresh,
             )
     return Swap(base) if spec.swap else base
 
 
 def _channel_scales(layer: Any, role: str, x: torch.Tensor) -> ChannelScales | None:
     """``layer``'s :class:`ChannelScales` for inputs like ``x`` in ``role`` (made on first
-    use; a plain attribute, not state: found again after a load)."""
+    use; a plain attribute, resumed through :mod:`actcore.resume`'s ``channel_scales``)."""
     if layer is None:
         return None
     table = getattr(layer, "act_channel_scales", None)

@@ -72,7 +72,7 @@ from ..compressors import (
     ZeroValue,
     restoring,
 )
-from ..compressors.channel_scaled import scaled
+from ..compressors.channel_scaled import ChannelScales, scaled
 from ..layers import roles, stash
 from ..layers.attention import shared_exact_dims
 from ..layers.routing import AttentionRouter
@@ -90,6 +90,7 @@ __all__ = [
     "PROBABILITY_BITS",
     "SavedTensorHooks",
     "compress_saved_tensors",
+    "scales_from_state",
 ]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -107,6 +108,14 @@ _PROBABILITY_NODES = frozenset(
 )
 # log-probabilities: backward exponentiates them, so a rounding step becomes a factor
 _EXACT_OUTPUT_NODES = frozenset({"LogSoftmaxBackward0"})
+_MAX_SCALE_SITES = 1 << 16  # save sites whose scales are kept (all dropped past it)
+
+
+def scales_from_state(state: Any) -> dict[str, ChannelScales]:
+    """The save sites' channel scales of :meth:`SavedTensorHooks.scales_state` (checked)."""
+    if not isinstance(state, dict):
+        raise TypeError(f"channel scales state must be a dict, got {type(state).__name__}")
+    return {str(key): ChannelScales.from_state_dict(value) for key, value in state.items()}
 
 
 class SavedTensorHooks:
@@ -148,6 +157,7 @@ class SavedTensorHooks:
         self._dedup: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._prune_at = 4096
         self._compressors: dict[tuple[int, bool], Compressor] = {}
+        self._scales: dict[str, ChannelScales] = {}  # save site (key) -> its scales
         self._keys = ModuleKeys()
         self._local = threading.local()  # per thread: the active hooks and mode, suspensions
         self._warned_compiled = False
@@ -158,6 +168,16 @@ class SavedTensorHooks:
         self.kind_bits = kind_bits
         if model is not None:
             self.attach(model)
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def scales_state(self) -> dict[str, Any]:
+        """Each save site's channel scales (for a resumed run to reuse them alike)."""
+        return {key: scales.state_dict() for key, scales in self._scales.items()}
+
+    def use_scales(self, scales: dict[str, ChannelScales]) -> None:
+        """Take the save sites' scales of :func:`scales_from_state` (a resumed run's)."""
+        self._scales = dict(scales)
 
     # ---- model bookkeeping ------------------------------------------------------------------
 
@@ -454,7 +474,7 @@ class SavedTensorHooks:
             if known is not None:  # a ReLU's own 1-bit mask: keep the nonzeros only
                 comp = ZeroValue(known, Quantize(bits, self.group_size, per_sample=False))
             else:  # outlier channels apart (some exact: backward may be nonlinear in t)
-                comp = self._channel_scaled(comp, t, data, inv)
+                comp = self._channel_scaled(comp, t, data, inv, key)
                 if fn is not None and type(fn).__name__ in _RELU_NODES:
                     mask = ops.pack_mask(data != 0)
         with rng.using(self.stream):
@@ -475,15 +495,22 @@ class SavedTensorHooks:
         return h
 
     def _channel_scaled(
-        self, comp: Compressor, t: Tensor, data: Tensor, inv: tuple[int, ...]
+        self, comp: Compressor, t: Tensor, data: Tensor, inv: tuple[int, ...], key: str
     ) -> Compressor:
         """``comp`` with ``data``'s outlier channels apart, the largest exact: for sdpa's q
         and k the feature dims both keep exact (:func:`actcore.layers.attention.shared_exact_dims`),
-        while the features stay the last dim in memory order."""
+        while the features stay the last dim in memory order. Elsewhere the save site
+        ``key`` reuses its scales and exact channels between refreshes
+        (:meth:`~actcore.compressors.channel_scaled.ChannelScales.due`)."""
         dims = shared_exact_dims(t)
         if dims is not None and inv[-1] == t.dim() - 1:
             return ChannelScaled(comp, -1, exact=dims.numel(), top=dims)
-        return scaled(comp, data, self.group_size, exact=True)
+        site = self._scales.get(key)
+        if site is None:
+            if len(self._scales) >= _MAX_SCALE_SITES:
+                self._scales.clear()
+            site = self._scales[key] = ChannelScales()
+        return scaled(comp, data, self.group_size, True, scales=site, refresh=site.due())
 
     def _record_stats(self, key: str, bits: int, numel: int, tensors: Any, meta: Any) -> None:
         assert self.stats is not None
