@@ -11,8 +11,9 @@
 The state holds the model's stream of rounding seeds (``act_rng``), its adaptive-bits plan
 and statistics (``act_adaptive``, levels L3 and up), its policy (``act_policy``) and the
 memory plan :func:`actcore.fit_budget` set (``act_memory_plan``: each Q-layer's level) and
-the Q-layers' kept channel scales (``channel_scales``), where present. Loading checks every part before changing any. (The hooks route: a
-:class:`actcore.Controller`'s own ``state_dict`` holds the same.)
+the Q-layers' kept channel scales (``channel_scales``), where present. Loading checks every
+part before changing any. (The hooks route: a :class:`actcore.Controller`'s own
+``state_dict`` holds the same.)
 """
 
 from __future__ import annotations
