@@ -247,10 +247,7 @@ class ChannelScales:
         signature = (x.dim(), dim, x.shape[dim], x.dtype, x.device, exact, ratio)
         if not refresh and self.exponents is not None and signature == self.signature:
             return self.exponents.clone(), None if self.top is None else self.top.clone()
-        if exact:
-            exponents, top = found_scales(x.detach(), dim, ratio, exact)
-        else:
-            exponents, top = channel_exponents(x.detach(), dim, ratio), None
+        exponents, top = found_scales(x.detach(), dim, ratio, exact)
         if self.exponents is not None and signature == self.signature:
             self.exponents.copy_(exponents)
             if top is not None and self.top is not None:
@@ -352,8 +349,8 @@ class ChannelScaled(Wrapping):
     # the ``exact`` channels' indices when the caller chose them (attention keeps the same
     # dims of q and k), else the tensor's own largest
     top: torch.Tensor | None = field(default=None, compare=False, repr=False)
-    # the scale exponents when the caller has them (see ChannelScales; without ``exact``),
-    # else found from the tensor
+    # the scale exponents when the caller has them (with ``exact``, beside ``top``), else
+    # the owner's ``scales`` or found from the tensor
     exponents: torch.Tensor | None = field(default=None, compare=False, repr=False)
     # each channel's largest magnitude in the tensor to pack, when the caller found it
     # already (joint_top_and_amax), else found from the tensor
