@@ -256,7 +256,7 @@ def test_dynamic_sequence_lengths_share_one_graph() -> None:
 
 
 def test_rounding_leaves_torch_generator_alone(mlp_pair: tuple[Any, ...]) -> None:
-    """The noise comes from actcore's own seeds (``actcore::rounding_noise``): a compiled
+    """The noise comes from actcore's own seeds (``actcore::quantize_fresh``): a compiled
     step with the hooks leaves torch's generator where it found it, so dropout and other
     random ops see the stream they would see without actcore."""
     model, _, cm, _ = mlp_pair
@@ -266,14 +266,23 @@ def test_rounding_leaves_torch_generator_alone(mlp_pair: tuple[Any, ...]) -> Non
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_rounding_noise_op() -> None:
-    anchor = torch.empty(0)
-    a = actcore.ops.seeds.rounding_noise(anchor, [3, 256])
-    b = actcore.ops.seeds.rounding_noise(anchor, [3, 256])
-    assert a.shape == (3, 256) and a.dtype == torch.float32
-    assert ((a >= 0) & (a < 1)).all() and not torch.equal(a, b)
-    # 768 uniforms: the mean within 4 standard deviations (1/sqrt(12 * 768)) of 1/2
-    assert abs(a.mean().item() - 0.5) < 4 / (12 * 768) ** 0.5
+def test_quantize_fresh_rounds_with_a_new_seed_each_call() -> None:
+    """``actcore::quantize_fresh`` is ``quantize`` under a seed drawn per call: two calls on
+    one tensor differ, and each is unbiased and within one step of the tensor."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 512)
+    calls = [actcore.ops.seeds.quantize_fresh(x, 2, 256, False) for _ in range(64)]
+    assert not torch.equal(calls[0][0], calls[1][0])
+    back = [
+        actcore.ops.dequantize(actcore.ops.Packed(*c, x.shape, x.dtype, 2, 256, False))
+        for c in calls
+    ]
+    step = calls[0][2].float().repeat_interleave(256, 1).view(3, 512)
+    assert ((back[0] - x).abs() <= step * 1.0001).all()
+    # 64 draws, each error bounded by a step and zero mean: the mean error of every element
+    # within 5 standard deviations (step / sqrt(4 * 64)) of zero
+    mean_error = (torch.stack(back).mean(0) - x).abs()
+    assert (mean_error <= 5 * step / (4 * 64) ** 0.5).all()
 
 
 def test_eager_saves_go_to_their_own_thread_hooks() -> None:

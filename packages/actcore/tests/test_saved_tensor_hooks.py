@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from actcore import memory
+from actcore.ops.masked import kept_floor
 from actcore.saved_tensors.handles import Handle
 from actcore.saved_tensors.hooks import SavedTensorHooks, compress_saved_tensors
 
@@ -178,6 +179,24 @@ def test_relu_output_keeps_its_exact_mask() -> None:
     y.sum().backward()
     assert torch.equal(x.grad, (x > 0).float() * 0.01)
     del w
+
+
+def test_restored_relu_output_stays_positive_and_normal() -> None:
+    """Where the mask is set, a restored ReLU output is at least ``kept_floor``: positive for
+    the ReLU's backward, and no subnormal number for the products backward forms with it
+    (CPUs compute those slowly), though 1-bit rounding zeroes many small values."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, requires_grad=True)
+    w = torch.randn(256, 8, requires_grad=True)
+    with compress_saved_tensors(1, min_numel=1):
+        out = torch.relu(x) @ w  # the ReLU and the product save the ReLU output
+    restored = out.grad_fn._saved_self  # (the unpack hook's result)
+    floor = kept_floor(restored.dtype)
+    assert floor > torch.finfo(torch.float32).tiny
+    kept = x.detach() > 0
+    assert torch.equal(restored[~kept], torch.zeros_like(restored[~kept]))
+    assert (restored[kept] >= floor).all()
+    assert (restored[kept] == floor).any()  # (the floor was needed: values rounded to 0)
 
 
 def test_inplace_modification_of_saved_tensor_raises() -> None:

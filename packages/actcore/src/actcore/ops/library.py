@@ -67,7 +67,8 @@ def quantize(
 
 
 @quantize.register_fake
-def _quantize_fake(x, bits, group_size, stochastic, seed, per_sample) -> _Tensors3:
+def quantize_fake(x, bits, group_size, stochastic, seed, per_sample) -> _Tensors3:
+    """The fake of ``actcore::quantize`` (and of the ops that quantize as it does)."""
     rows, cols = rows_and_cols(x.shape, per_sample)
     payload = x.new_empty((rows, packed_nbytes(cols, bits)), dtype=torch.uint8)
     groups = (cols + group_size - 1) // group_size
@@ -159,7 +160,7 @@ def masked_quantize_padded(
 
 @masked_quantize_padded.register_fake
 def _masked_quantize_padded_fake(x, mask, bits, group_size, stochastic, seed):
-    payload, lo, step = _quantize_fake(x, bits, group_size, stochastic, seed, False)
+    payload, lo, step = quantize_fake(x, bits, group_size, stochastic, seed, False)
     return payload, lo, step, x.new_empty((), dtype=torch.int64)
 
 

@@ -1,17 +1,14 @@
-"""Seeds of stochastic rounding: :func:`new_seed`, and the ``actcore::rounding_noise``
-operator that gives a compiled graph fresh noise at run time."""
+"""Seeds of stochastic rounding: :func:`new_seed`, and the ``actcore::quantize_fresh``
+operator that rounds with a seed drawn at run time (for compiled graphs)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-
 import torch
 
-from .library import hash_uniform
+from .library import quantize, quantize_fake
 from .noise import MASK32, SEED_LIMIT, mix32
 
-__all__ = ["new_seed", "reset_seed_stream", "rounding_noise"]
+__all__ = ["new_seed", "quantize_fresh", "reset_seed_stream"]
 
 _seed_state = {"base": None, "count": 0}
 
@@ -42,18 +39,18 @@ def reset_seed_stream() -> None:
     _seed_state["base"], _seed_state["count"] = None, 0
 
 
-@torch.library.custom_op("actcore::rounding_noise", mutates_args=())
-def rounding_noise(anchor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """Uniform [0, 1) float32 noise of ``shape`` on ``anchor``'s device: the counter hash of
-    :mod:`actcore.ops.noise` (native kernels where built) under a fresh :func:`new_seed`,
-    drawn when the op runs. A compiled graph that calls it gets new rounding noise on every
-    call, with no seed baked into the graph and without drawing from torch's generators (so
-    dropout and other random ops see the stream they would see without actcore)."""
-    numel = math.prod(shape)
-    index = torch.arange(numel, device=anchor.device).view(tuple(shape))
-    return hash_uniform(index, new_seed())
+@torch.library.custom_op("actcore::quantize_fresh", mutates_args=())
+def quantize_fresh(
+    x: torch.Tensor, bits: int, group_size: int, per_sample: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``actcore::quantize`` with stochastic rounding under a fresh :func:`new_seed`, drawn
+    when the op runs: a compiled graph that calls it rounds with new noise on every call,
+    with no seed baked into the graph and without drawing from torch's generators (so
+    dropout and other random ops see the stream they would see without actcore). Returns
+    ``(payload, lo, step)`` as ``quantize`` does; ``dequantize`` inverts it."""
+    return quantize(x, bits, group_size, True, new_seed(), per_sample)
 
 
-@rounding_noise.register_fake
-def _(anchor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    return anchor.new_empty(tuple(shape), dtype=torch.float32)
+@quantize_fresh.register_fake
+def _(x: torch.Tensor, bits: int, group_size: int, per_sample: bool) -> tuple[torch.Tensor, ...]:
+    return quantize_fake(x, bits, group_size, True, 0, per_sample)

@@ -3,9 +3,10 @@
 PyTorch inlines saved-tensor hooks that are fx graphs into the graphs it compiles: the pack
 graph into the forward graph's epilogue, once per saved intermediate, and the unpack graph
 into the backward graph's prologue (``torch._functorch``'s saved-tensor-hook inlining; the
-compiled runtime then saves the packed tensors with the hooks off). Inductor fuses the
-quantization with the op that produced the tensor and the dequantization with the one that
-consumes it (C++ on CPU, Triton on CUDA), and nothing breaks the graph.
+compiled runtime then saves the packed tensors with the hooks off). The quantization and
+the mask are the native kernels, called from the graph as opaque ops; inductor fuses the
+rest of each pack and unpack (channel scales, selects) with the ops around them (C++ on
+CPU, Triton on CUDA), and nothing breaks the graph.
 
 :class:`~actcore.saved_tensors.hooks.SavedTensorHooks` therefore pushes a pair of
 :class:`SavedHooksGraph` (one pair per :class:`GraphPolicy`, cached: PyTorch guards a compiled
@@ -40,11 +41,11 @@ producer and its consumers in the backward graph, and treat it by kind
   at least ``nonlinear_bits`` (the hooks route's
   :data:`~actcore.saved_tensors.hooks.ACTIVATION_BITS`).
 
-The quantization is stochastic rounding over groups of ``group_size`` elements, its noise
-the native kernels' counter hash under a seed drawn when the graph runs (the
-``actcore::rounding_noise`` operator: fresh every call, no seed in the graph, no
-recompilation per step, torch's generators untouched); codes are stored in 1-, 2-, 4- or
-8-bit slots (3 bits in 4).
+The quantization is the native kernels' stochastic rounding over groups of ``group_size``
+elements (``actcore::quantize_fresh``: an opaque op that draws its seed when the graph runs,
+so the graph holds no seed, nothing recompiles per step and torch's generators are
+untouched), codes packed at their bits, each group's minimum and step in bfloat16, as the
+eager route stores them; ``actcore::dequantize`` reverses it in the backward graph.
 Forward outputs are those of the compiled plain graph: only what is saved changes.
 """
 
@@ -60,7 +61,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ops.seeds import rounding_noise
+from ..ops.library import dequantize, relu_mask, unpack_bits
+from ..ops.masked import kept_floor
+from ..ops.seeds import quantize_fresh
 from .graph_treatment import GraphPolicy, treatment
 
 __all__ = ["SavedHooksGraph", "graph_hooks", "inlining_supported", "is_own_graph"]
@@ -154,48 +157,18 @@ def pop_owner(hooks: Any) -> None:
 
 
 # ------------------------------------------------------------------------------ quantization
-def _noise(shape: list[int], anchor: Tensor) -> Tensor:
-    """Uniform [0, 1) noise (``actcore::rounding_noise``: the native kernels' counter hash
-    under a seed drawn when the graph runs: fresh every call, no seed in the graph, torch's
-    generators untouched). An opaque op: the integer hash inlined into each pack tripled the
-    graphs' compile time."""
-    return rounding_noise(anchor, shape)
-
-
-def _slot_bits(bits: int) -> int:
-    return 1 << math.ceil(math.log2(bits))
-
-
 def _quantize(x: Tensor, bits: int, group_size: int) -> tuple[Tensor, ...]:
-    slot = _slot_bits(bits)
-    flat = x.reshape(-1).float()
-    numel = flat.numel()
-    padded = -(-numel // group_size) * group_size
-    flat = torch.nn.functional.pad(flat, (0, padded - numel))  # (no branch: sizes may be symbolic)
-    groups = flat.view(-1, group_size)
-    lo = groups.amin(1, keepdim=True)
-    span = groups.amax(1, keepdim=True) - lo
-    top = (1 << bits) - 1
-    step = torch.where(span > 0, span / top, torch.ones_like(span))
-    u = _noise([padded // group_size, group_size], x)
-    codes = torch.floor((groups - lo) / step + u).clamp_(0, top).to(torch.uint8)
-    per_byte = 8 // slot
-    codes = codes.view(-1, per_byte)
-    payload = codes[:, 0]
-    for i in range(1, per_byte):
-        payload = payload | (codes[:, i] << (slot * i))
-    return payload, lo, step
+    """``x``'s elements in memory order, rounded stochastically in groups of ``group_size``
+    (``actcore::quantize_fresh``: the native kernel, under a seed drawn when the graph runs).
+    An opaque op to inductor: fused from ATen ops with a noise tensor beside them, the
+    same packing took 2-3x the step time of the native kernel and twice the compile time."""
+    return quantize_fresh(x.contiguous(), bits, group_size, False)
 
 
 def _dequantize(
-    payload: Tensor, lo: Tensor, step: Tensor, bits: int, group_size: int, numel: int
+    payload: Tensor, lo: Tensor, step: Tensor, bits: int, group_size: int, numel: int, dtype: Any
 ) -> Tensor:
-    slot = _slot_bits(bits)
-    per_byte = 8 // slot
-    mask = (1 << slot) - 1
-    parts = [(payload >> (slot * i)) & mask for i in range(per_byte)]
-    codes = torch.stack(parts, 1).view(-1, group_size).float()
-    return (codes * step + lo).reshape(-1)[:numel]
+    return dequantize(payload, lo, step, bits, group_size, [numel], dtype, False)
 
 
 def _shape_spec(shape: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
@@ -271,18 +244,14 @@ def _channel_scale(data: Tensor) -> Tensor:
 
 
 def _pack_mask(x: Tensor) -> Tensor:
-    bits = (x.reshape(-1) > 0).to(torch.uint8)
-    bits = torch.nn.functional.pad(bits, (0, -bits.numel() % 8))
-    bits = bits.view(-1, 8)
-    out = bits[:, 0]
-    for i in range(1, 8):
-        out = out | (bits[:, i] << i)
-    return out
+    """Where ``x`` (a ReLU's output) is not ``<= 0``, 1 bit per element in memory order:
+    where the ReLU's backward passes the gradient (``actcore::relu_mask``, one native pass)."""
+    return relu_mask(x.contiguous())
 
 
 def _unpack_mask(mask: Tensor, numel: int) -> Tensor:
-    parts = [(mask >> i) & 1 for i in range(8)]
-    return torch.stack(parts, 1).reshape(-1)[:numel].bool()
+    # (compared, not viewed as bool: inductor's C++ code cannot vectorize a bool view)
+    return unpack_bits(mask, 1, numel) != 0
 
 
 def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
@@ -295,22 +264,19 @@ def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
     shape = _shape_of(packed[-2], layout)  # in memory order
     inverse = [order.index(i) for i in range(len(order))]
     numel = math.prod(shape)
-    if kind == "mask":  # positive where the ReLU's output was: all its backward reads
+    if kind == "mask":  # set where the ReLU's output was not <= 0: all its backward reads
         keep = _unpack_mask(parts["mask"], numel)
         tiny = torch.full((), torch.finfo(dtype).tiny, dtype=dtype, device=keep.device)
         zero = torch.zeros((), dtype=dtype, device=keep.device)
         return torch.where(keep, tiny, zero).view(shape).permute(inverse)
     values = _dequantize(
-        parts["payload"], parts["lo"], parts["step"], bits, policy.group_size, numel
-    )
-    if kind == "relu":
-        keep = _unpack_mask(parts["mask"], numel)
-        tiny = torch.finfo(dtype).tiny
-        values = torch.where(keep, values.clamp_min(tiny), torch.zeros_like(values))
-    values = values.view(shape)
+        parts["payload"], parts["lo"], parts["step"], bits, policy.group_size, numel, dtype
+    ).view(shape)
     if "scale" in parts:
         values = values * parts["scale"]
-    values = values.to(dtype)
+    if kind == "relu":  # the ReLU's zeros exactly, the rest at least kept_floor (positive)
+        keep = _unpack_mask(parts["mask"], numel).view(shape)
+        values = torch.where(keep, values.clamp_min(kept_floor(dtype)), torch.zeros_like(values))
     if "exact" in parts:  # the exact features and their index (the last dim, in memory order)
         last = order.index(len(order) - 1)
         values = values.index_copy(last, parts["index"], parts["exact"])

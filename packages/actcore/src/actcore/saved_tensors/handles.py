@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..compressors import Packing, restoring
+from ..ops.masked import kept_floor
 
 __all__ = [
     "INPLACE_MSG",
@@ -99,7 +100,7 @@ class Stored:
         if mask is not None:  # the ReLU's zeros exactly, the rest kept positive
             # (read straight from the bits: 10x faster on CPU than where() on the unpacked
             # mask, bitwise the same; Handle.restore runs this under no_grad)
-            return ops.apply_mask(out.clamp_min(torch.finfo(out.dtype).tiny), mask)
+            return ops.apply_mask(out.clamp_min(kept_floor(out.dtype)), mask)
         return out
 
 
