@@ -322,3 +322,51 @@ def test_a_zero_channel_in_half_precision_stays_finite() -> None:
         loss = fn(a, w)
     loss.backward()
     assert torch.isfinite(w.grad).all()
+
+
+class _PythonRMSNorm(nn.Module):
+    """An RMS norm written in Python (as Hugging Face's Llama writes its own)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class _NormMLP(nn.Module):
+    def __init__(self, norm: Callable[[int], nn.Module]) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = norm(64), nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + self.down(F.silu(self.up(self.norm(x))))).square().mean()
+
+
+def test_a_norm_output_is_recomputed_not_packed_beside_its_input(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Traced inside a scope, a converted norm (torch's or a Python-written one) runs in a
+    non-reentrant checkpoint: the compiled graph packs its input once and backward
+    recomputes its output, which the products after it read, instead of packing that too."""
+    x = torch.randn(8, 64, 64)
+    held, forward = {}, {}
+    for name, norm in (("torch", lambda d: nn.RMSNorm(d, eps=1e-6)), ("python", _PythonRMSNorm)):
+        torch.manual_seed(0)
+        model = actcore.convert(_NormMLP(norm), "L3")
+        assert model.norm.act_recompute_output
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend=BACKEND, fullgraph=True)
+        fn(x).backward()
+        forward[name], held[name] = profiled_bytes(lambda fn=fn: fn(x))
+        torch._dynamo.reset()
+        monkeypatch.setattr(type(model.norm), "act_recompute_output", False)
+        fn = torch.compile(model, backend=BACKEND, fullgraph=True)
+        fn(x).backward()
+        both = profiled_bytes(lambda fn=fn: fn(x))[1]
+        monkeypatch.undo()
+        # the norm's output (64 x 8 x 64 values, packed at COMPILED_ROW_NORM_BITS) comes on top
+        assert both - held[name] >= x.numel() * COMPILED_ROW_NORM_BITS / 8 * 0.9, (both, held)
+    assert held["torch"] == held["python"]
+    assert torch.equal(forward["torch"], forward["python"])

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..config import LevelSpec, level_spec
 from ..rng import transforms_active
@@ -53,6 +54,9 @@ class QLayer(ConvertedLayer):
     """Mixin of every Q-layer: its level and per-layer compression state."""
 
     act_adaptive_bits = True  # whether adaptive bit plans (L3) choose its bits
+    # a norm whose output the layer route derives from its packed input: traced by Dynamo
+    # inside a scope, in a non-reentrant checkpoint (see __call__)
+    act_recompute_output = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A Q-layer is its own tailored treatment: the functional-op router of a converted
@@ -62,7 +66,15 @@ class QLayer(ConvertedLayer):
         # pack its saves. Without a scope (``layers_only``, a layer built directly) nothing
         # would, so at a level that packs it runs eagerly, compressing (a graph break).
         if torch.compiler.is_compiling():
-            if self.act_in_scope or not layer_spec(self).packs:
+            packs = layer_spec(self).packs
+            if self.act_in_scope and packs and self.act_recompute_output:
+                # a norm, whose output the layer route derives from its packed input:
+                # traced in a non-reentrant checkpoint, so the compiled graph saves the
+                # input once and backward recomputes the output from it, not a second,
+                # separately packed copy for the products that read it
+                call = super().__call__  # type: ignore[misc]
+                return checkpoint(call, *args, use_reentrant=False, **kwargs)
+            if self.act_in_scope or not packs:
                 return super().__call__(*args, **kwargs)  # type: ignore[misc]
             return _outside_compile(super().__call__, args, kwargs)  # type: ignore[misc]
         if transforms_active():

@@ -128,6 +128,7 @@ class QSyncBatchNorm(QBatchNormBase, nn.SyncBatchNorm):
 
 class QLayerNorm(QLayer, nn.LayerNorm):
     act_adaptive_bits = False  # a row norm: the level's row-norm bits
+    act_recompute_output = True  # (under Dynamo: see QLayer.__call__)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight, self.bias):
@@ -159,6 +160,7 @@ def group_norm(
 
 class QGroupNorm(QLayer, nn.GroupNorm):
     act_adaptive_bits = False  # a row norm: the level's row-norm bits
+    act_recompute_output = True  # (under Dynamo: see QLayer.__call__)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight, self.bias):
@@ -170,6 +172,7 @@ class QRMSNorm(QLayer, nn.RMSNorm):
     """``nn.RMSNorm`` keeping its normalized input compressed and the exact per-row scale."""
 
     act_adaptive_bits = False  # a row norm: the level's row-norm bits
+    act_recompute_output = True  # (under Dynamo: see QLayer.__call__)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self._compresses(input, self.weight):

@@ -212,6 +212,7 @@ def recomputed_class(module: nn.Module) -> type[nn.Module] | None:
             "__module__": __name__,
             "__qualname__": name,
             "act_normalize": normalize,
+            "act_recompute_output": normalize,  # (a norm: see QLayer.__call__)
             "act_source_class": cls,
         }
         found = _CLASSES[cls] = type(name, (RecomputedModule, QLayer, cls), attrs)
