@@ -18,6 +18,13 @@ width 128, batch 12 x 64 tokens; ``actcore.convert``); the Llama of
 sequence 2048 (``act_hf.convert``, needs transformers); PyG's example GCN on a 10,000-node
 graph and example GIN on 256 graphs of 20 nodes (``act_pyg.convert``, needs
 torch_geometric). SGD, so an optimizer's own cost is left out.
+
+With ``--compile`` the variants are plain and the default level, eager and compiled
+(``model.compile()`` after conversion, inductor), interleaved the same way; compiled rows
+also give their step against the compiled plain model's. ``llama-1024`` is the Llama at
+sequence 1024 (the compile issue's size):
+
+    python benchmarks/speed.py --compile --models resnet50,llama-1024 --rounds 8
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from actcore.bench.gpt import CharGPT, GPTConfig
 
 VARIANTS = ("plain", "L0", "L3")
 HOOKS = "G2"  # the saved-tensor hooks route at its default level (ResNet-50 only)
+COMPILED = "@compiled"  # (--compile: the variant compiled with model.compile())
 WARM = 21  # past the first replan (interval 20)
 
 
@@ -65,12 +73,15 @@ def _gpt() -> tuple[nn.Module, Callable]:
     return model, lambda m: m(ids[:, :-1], ids[:, 1:])
 
 
-def _llama() -> tuple[nn.Module, Callable]:
-    from llama_memory import build  # (this folder: the Llama of the memory benchmark)
+def _llama(sequence: int = 2048) -> Callable[[], tuple[nn.Module, Callable]]:
+    def build_it() -> tuple[nn.Module, Callable]:
+        from llama_memory import build  # (this folder: the Llama of the memory benchmark)
 
-    model = build("sdpa").train()  # (seeded there)
-    ids = torch.randint(0, 1000, (1, 2048))
-    return model, lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss
+        model = build("sdpa").train()  # (seeded there)
+        ids = torch.randint(0, 1000, (1, sequence))
+        return model, lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss
+
+    return build_it
 
 
 def _gcn() -> tuple[nn.Module, Callable]:
@@ -112,7 +123,8 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, Callable]]] = {
     "mobilenet_v3_small": _vision("mobilenet_v3_small", 4, 64),
     "efficientnet_b0": _vision("efficientnet_b0", 4, 64),
     "char_gpt": _gpt,
-    "llama": _llama,
+    "llama": _llama(2048),
+    "llama-1024": _llama(1024),  # (the compile issue's size)
     "gcn": _gcn,
     "gin": _gin,
 }
@@ -121,7 +133,7 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, Callable]]] = {
 def _convert(name: str, model: nn.Module, level: str) -> None:
     """The model's own entry point: act_hf for the Hugging Face decoder, act_pyg for the
     graph networks, else actcore."""
-    if name == "llama":
+    if name.startswith("llama"):
         import act_hf
 
         act_hf.convert(model, level)
@@ -143,6 +155,10 @@ def _hooked(controller: actcore.Controller) -> Iterator[None]:
 
 
 def _collecting(model: nn.Module) -> bool:
+    """Whether the model's next step takes adaptive statistics (a compiled model's never
+    does: its graphs pack with the level's bits by kind)."""
+    if getattr(model, "_compiled_call_impl", None) is not None:  # (model.compile())
+        return False
     scheme = getattr(model, "act_adaptive", None)
     return scheme is not None and scheme.collecting()
 
@@ -156,15 +172,24 @@ def _count(model: nn.Module, step: Callable[[], None], collecting: bool) -> int:
     raise RuntimeError(f"no {'statistics' if collecting else 'steady'} step in {2 * WARM}")
 
 
-def measure(name: str, rounds: int) -> list[dict]:
+def measure(name: str, rounds: int, compiled: bool = False) -> list[dict]:
+    """``name``'s rows; with ``compiled`` the variants are plain, the default level, and
+    both compiled (``model.compile()`` after conversion), each step of them interleaved."""
     runs, first = {}, {}
-    for variant in (*VARIANTS, HOOKS) if name == "resnet50" else VARIANTS:
+    if compiled:
+        variants: tuple[str, ...] = ("plain", "L3", *(f"{v}{COMPILED}" for v in ("plain", "L3")))
+    else:
+        variants = (*VARIANTS, HOOKS) if name == "resnet50" else VARIANTS
+    for variant in variants:
         model, loss_of = MODELS[name]()
         controller = None
+        level = variant.removesuffix(COMPILED)
         if variant == HOOKS:
             controller = actcore.Controller(model, HOOKS)
-        elif variant != "plain":
-            _convert(name, model, variant)
+        elif level != "plain":
+            _convert(name, model, level)
+        if variant.endswith(COMPILED):
+            model.compile()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
         def step(model=model, loss_of=loss_of, opt=opt, controller=controller) -> None:
@@ -178,7 +203,8 @@ def measure(name: str, rounds: int) -> list[dict]:
                     controller.iterate(lambda: loss_of(model).backward())
 
         t0 = time.perf_counter()
-        step()  # (the hooks route's first step estimates its sensitivities: timed apart)
+        step()  # (the hooks route's first step estimates its sensitivities, a compiled
+        # model compiles: timed apart)
         first[variant] = time.perf_counter() - t0
         for _ in range(WARM - 1):
             step()
@@ -192,7 +218,7 @@ def measure(name: str, rounds: int) -> list[dict]:
     rows = []
     for variant, (model, step, steady, window) in runs.items():
         calls = {"steady": _count(model, step, collecting=False)}
-        if getattr(model, "act_adaptive", None) is not None:
+        if getattr(model, "act_adaptive", None) is not None and not variant.endswith(COMPILED):
             calls["window"] = _count(model, step, collecting=True)
         every = steady + window
         rows.append(
@@ -208,6 +234,8 @@ def measure(name: str, rounds: int) -> list[dict]:
         )
     plain = rows[0]
     for row in rows:
+        if row["variant"].endswith(COMPILED):  # (against the compiled plain model)
+            row["steady_vs_compiled_plain"] = row["steady_step_s"] / rows[2]["steady_step_s"]
         row["steady_vs_plain"] = row["steady_step_s"] / plain["steady_step_s"]
         row["mean_vs_plain"] = row["mean_step_s"] / plain["mean_step_s"]
         row["calls_vs_plain"] = row["aten_calls"]["steady"] / plain["aten_calls"]["steady"]
@@ -234,6 +262,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=20, help="interleaved measured steps per variant")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--json", default=None, help="write the rows (and the machine) here")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="plain and L3, eager and compiled (model.compile() after conversion), interleaved",
+    )
     args = p.parse_args()
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown:
@@ -241,11 +274,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = []
     for name in args.models.split(","):
-        for row in measure(name, args.rounds):
+        for row in measure(name, args.rounds, args.compile):
             rows.append(row)
             calls = row["aten_calls"]
+            versus = row.get("steady_vs_compiled_plain")
             print(
-                f"{name:20s} {row['variant']:6s} steady {row['steady_step_s'] * 1e3:8.1f} ms "
+                f"{name:20s} {row['variant']:14s} "
+                + ("" if versus is None else f"vs compiled plain {versus:.2f}x  ")
+                + f"steady {row['steady_step_s'] * 1e3:8.1f} ms "
                 f"({row['steady_vs_plain']:.2f}x)  mean {row['mean_step_s'] * 1e3:8.1f} ms "
                 f"({row['mean_vs_plain']:.2f}x)  first {row['first_step_s']:.2f} s  ATen calls {calls}",
                 flush=True,

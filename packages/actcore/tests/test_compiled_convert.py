@@ -103,8 +103,9 @@ def test_a_converted_model_compiles_into_one_graph(name: str) -> None:
 # per-sample adaptive bits in compiled graphs yet); vit 1.55, 0.986 (0.986); gpt 0.91,
 # 0.984 (0.987); llama 0.54, 0.93 (0.97): its cross-entropy keeps the vocabulary-sized
 # log-probabilities, SwiGLU's product is saved besides its operands, and RMS-norm inputs
-# take 8 bits (COMPILED_ROW_NORM_BITS).
-FLOORS = {"resnet18": (0.65, 0.75), "vit": (0.9, 0.95), "gpt": (0.85, 0.97), "llama": (0.5, 0.9)}
+# take 8 bits (COMPILED_ROW_NORM_BITS). 2026-11-29, with the native packing and norms
+# recomputed (these seeds): resnet18 0.75, 0.814 (0.831); gpt 0.92; llama 0.70, 0.931 (0.965).
+FLOORS = {"resnet18": (0.7, 0.75), "vit": (0.9, 0.95), "gpt": (0.85, 0.97), "llama": (0.65, 0.9)}
 
 
 @pytest.mark.parametrize("name", MODELS)
