@@ -160,8 +160,9 @@ def pop_owner(hooks: Any) -> None:
 def _quantize(x: Tensor, bits: int, group_size: int) -> tuple[Tensor, ...]:
     """``x``'s elements in memory order, rounded stochastically in groups of ``group_size``
     (``actcore::quantize_fresh``: the native kernel, under a seed drawn when the graph runs).
-    An opaque op to inductor: fused from ATen ops with a noise tensor beside them, the
-    same packing took 2-3x the step time of the native kernel and twice the compile time."""
+    An opaque op to inductor: written in ATen ops for inductor to fuse, with a noise tensor
+    beside them, it made a char GPT's compiled step 2.14x compiled plain's (1.55x with the
+    native kernel) and took twice the compile time."""
     return quantize_fresh(x.contiguous(), bits, group_size, False)
 
 
