@@ -233,9 +233,11 @@ def measure(name: str, rounds: int, compiled: bool = False) -> list[dict]:
             }
         )
     plain = rows[0]
+    by_variant = {row["variant"]: row for row in rows}
     for row in rows:
         if row["variant"].endswith(COMPILED):  # (against the compiled plain model)
-            row["steady_vs_compiled_plain"] = row["steady_step_s"] / rows[2]["steady_step_s"]
+            compiled_plain = by_variant["plain" + COMPILED]
+            row["steady_vs_compiled_plain"] = row["steady_step_s"] / compiled_plain["steady_step_s"]
         row["steady_vs_plain"] = row["steady_step_s"] / plain["steady_step_s"]
         row["mean_vs_plain"] = row["mean_step_s"] / plain["mean_step_s"]
         row["calls_vs_plain"] = row["aten_calls"]["steady"] / plain["aten_calls"]["steady"]

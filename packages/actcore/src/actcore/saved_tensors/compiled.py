@@ -267,9 +267,9 @@ def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
     numel = math.prod(shape)
     if kind == "mask":  # set where the ReLU's output was not <= 0: all its backward reads
         keep = _unpack_mask(parts["mask"], numel)
-        tiny = torch.full((), torch.finfo(dtype).tiny, dtype=dtype, device=keep.device)
+        floor = torch.full((), kept_floor(dtype), dtype=dtype, device=keep.device)
         zero = torch.zeros((), dtype=dtype, device=keep.device)
-        return torch.where(keep, tiny, zero).view(shape).permute(inverse)
+        return torch.where(keep, floor, zero).view(shape).permute(inverse)
     values = _dequantize(
         parts["payload"], parts["lo"], parts["step"], bits, policy.group_size, numel, dtype
     ).view(shape)
