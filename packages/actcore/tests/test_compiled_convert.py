@@ -105,7 +105,7 @@ def test_a_converted_model_compiles_into_one_graph(name: str) -> None:
 # log-probabilities, SwiGLU's product is saved besides its operands, and RMS-norm inputs
 # take 8 bits (COMPILED_ROW_NORM_BITS). 2026-11-29, with the native packing and norms
 # recomputed (these seeds): resnet18 0.75, 0.814 (0.831); gpt 0.92; llama 0.70, 0.931 (0.965).
-FLOORS = {"resnet18": (0.7, 0.75), "vit": (0.9, 0.95), "gpt": (0.85, 0.97), "llama": (0.65, 0.9)}
+FLOORS = {"resnet18": (0.7, 0.75), "vit": (0.9, 0.95), "gpt": (1.05, 0.97), "llama": (0.78, 0.9)}
 
 
 @pytest.mark.parametrize("name", MODELS)

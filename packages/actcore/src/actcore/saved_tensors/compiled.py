@@ -25,6 +25,14 @@ producer and its consumers in the backward graph, and treat it by kind
 * q and k of an attention that backward recomputes (``F.scaled_dot_product_attention``
   under the hooks, see :class:`~actcore.saved_tensors.op_mode.OpMode`): at least
   ``nonlinear_bits``, their features of largest magnitude exact;
+* at 1 bit an element, exactly: a bool tensor (a ``where``'s condition, a dropout mask), and a
+  float tensor that holds one of two constants chosen by a bool (``where(cond, 0, -inf)``:
+  the causal mask Hugging Face's sdpa path builds under torch.compile);
+* a tensor backward reads only through ``exp`` (less values that do not depend on it):
+  log-probabilities saved for a log-softmax's backward, or logits that inductor's partitioner
+  saves to recompute it: ``exp(x - rowmax)`` quantized, the row maxima exact. The log-softmax
+  backward is linear in that exponential, so its stochastic rounding leaves the gradient
+  unbiased (quantizing the log-probabilities themselves would not: ``E[exp(q(x))] > exp(x)``);
 * a ReLU output: its 1-bit nonzero mask plus its values at the level's bits (the mask makes
   the ReLU's backward exact); the mask alone where backward reads nothing else of it (its
   own ``threshold_backward``, a max pool's backward, which reads only its shape);
@@ -61,7 +69,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ops.library import dequantize, relu_mask, unpack_bits
+from ..ops.library import dequantize, pack_bits, relu_mask, unpack_bits
 from ..ops.masked import kept_floor
 from ..ops.seeds import quantize_fresh
 from .graph_treatment import GraphPolicy, treatment
@@ -210,15 +218,26 @@ def _pack_graph(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) 
     how = treatment(x, policy, context)
     if how.kind == "index":  # (``to`` keeps the strides)
         return (x.to(how.dtype), ("index", x.dtype))
-    if how.kind == "keep" or (how.bits is None and how.kind != "mask"):
+    if how.kind == "keep" or (how.bits is None and how.kind not in _ONE_BIT_KINDS):
         return (x,)
     order = _memory_order(x)
     data = x.permute(order)
     syms, layout = _shape_spec(data.shape)
     parts: dict[str, Tensor] = {}
+    extra: Any = None
     if how.kind in ("mask", "relu"):
         parts["mask"] = _pack_mask(data)
-    if how.kind != "mask":
+    if how.kind == "bits":
+        parts["mask"] = _pack_bool(data)
+    elif how.kind == "select":
+        extra = how.values
+        parts["mask"] = _pack_bool(data == how.values[0])
+    elif how.kind == "exp":  # backward reads exp(x): an unbiased estimate of it, in (0, 1]
+        parts["shift"] = data.detach().amax(-1, keepdim=True)
+        parts["payload"], parts["lo"], parts["step"] = _quantize(
+            torch.exp(data - parts["shift"]), how.bits, policy.group_size
+        )
+    elif how.kind != "mask":
         if how.exact_features:
             magnitude = x.detach().abs().flatten(0, -2).amax(0)
             index = magnitude.topk(how.exact_features).indices
@@ -229,8 +248,11 @@ def _pack_graph(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) 
             data = data / parts["scale"]
         parts["payload"], parts["lo"], parts["step"] = _quantize(data, how.bits, policy.group_size)
     names = tuple(parts)
-    meta = (how.kind, how.bits, layout, x.dtype, order, names)
+    meta = (how.kind, how.bits, layout, x.dtype, order, names, extra)
     return (*parts.values(), syms, meta)
+
+
+_ONE_BIT_KINDS = ("mask", "bits", "select")  # (kept at 1 bit an element: no bits to give)
 
 
 def _channel_scale(data: Tensor) -> Tensor:
@@ -250,6 +272,11 @@ def _pack_mask(x: Tensor) -> Tensor:
     return relu_mask(x.contiguous())
 
 
+def _pack_bool(x: Tensor) -> Tensor:
+    """A bool tensor's elements in memory order, 1 bit each."""
+    return pack_bits(x.contiguous().reshape(-1).to(torch.uint8), 1)
+
+
 def _unpack_mask(mask: Tensor, numel: int) -> Tensor:
     # (compared, not viewed as bool: inductor's C++ code cannot vectorize a bool view)
     return unpack_bits(mask, 1, numel) != 0
@@ -260,11 +287,19 @@ def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
         return packed[0]
     if len(packed) == 2:  # ("index", dtype)
         return packed[0].to(packed[1][1])
-    kind, bits, layout, dtype, order, names = packed[-1]
+    kind, bits, layout, dtype, order, names, extra = packed[-1]
     parts = dict(zip(names, packed[: len(names)], strict=True))
     shape = _shape_of(packed[-2], layout)  # in memory order
     inverse = [order.index(i) for i in range(len(order))]
     numel = math.prod(shape)
+    if kind == "bits":
+        return _unpack_mask(parts["mask"], numel).view(shape).permute(inverse)
+    if kind == "select":  # (the two values as the saved tensor held them: exactly)
+        where_set, elsewhere = (
+            torch.full((), v, dtype=dtype, device=parts["mask"].device) for v in extra
+        )
+        chosen = torch.where(_unpack_mask(parts["mask"], numel), where_set, elsewhere)
+        return chosen.view(shape).permute(inverse)
     if kind == "mask":  # set where the ReLU's output was not <= 0: all its backward reads
         keep = _unpack_mask(parts["mask"], numel)
         floor = torch.full((), kept_floor(dtype), dtype=dtype, device=keep.device)
@@ -273,6 +308,8 @@ def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
     values = _dequantize(
         parts["payload"], parts["lo"], parts["step"], bits, policy.group_size, numel, dtype
     ).view(shape)
+    if kind == "exp":  # the log of the restored exp(x - shift) (>= 0: never NaN), shifted back
+        return (torch.log(values.clamp_min(0)) + parts["shift"]).permute(inverse)
     if "scale" in parts:
         values = values * parts["scale"]
     if kind == "relu":  # the ReLU's zeros exactly, the rest at least kept_floor (positive)

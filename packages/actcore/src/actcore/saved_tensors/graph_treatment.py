@@ -5,7 +5,9 @@ graph, its consumers in the backward graph). The rules are listed in
 
 from __future__ import annotations
 
+import math
 import operator
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,9 +98,19 @@ _SPLITS = _packets("split", "split_with_sizes", "chunk", "unbind", "tensor_split
 _SOFTMAX_STATISTICS = _packets("amax", "logsumexp")
 _PROBABILITIES = _packets("_softmax", "softmax", "_safe_softmax", "sigmoid", "tanh")
 _RELUS = _packets("relu", "relu_")
+_FILLS = {  # ops that make a tensor of one value: the position of that value's argument
+    **dict.fromkeys(_packets("scalar_tensor"), 0),
+    **dict.fromkeys(_packets("full", "full_like", "new_full"), 1),
+}
 _COMPARISONS = _packets("le", "gt", "lt", "ge", "eq", "ne")
 _SHAPE_ONLY = {  # backward ops that read the argument at this position for its shape only
-    op: 1 for op in _packets("max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward")
+    op: 1
+    for op in _packets(
+        "max_pool2d_with_indices_backward",
+        "max_pool3d_with_indices_backward",
+        "nll_loss_backward",  # (the log-probabilities: their gradient is zeros but at targets)
+        "nll_loss2d_backward",
+    )
 }
 # what the forward does with a tensor, by the op that reads it (KindBits' kinds)
 _PRODUCT_INPUTS = _packets(
@@ -333,6 +345,105 @@ def _mask_test(op: Any, user: Any, pos: int) -> bool:
     )
 
 
+def _as_element(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to an element of ``dtype`` (to nearest, ties to even), in plain Python:
+    this runs while a pack hook is traced, where a tensor made here would become a constant of
+    the graph."""
+    if dtype == torch.float64:
+        return float(value)
+    if dtype == torch.float16:
+        try:
+            return struct.unpack("<e", struct.pack("<e", value))[0]
+        except OverflowError:
+            return math.copysign(math.inf, value)
+    try:
+        single = struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:
+        single = math.copysign(math.inf, value)
+    if dtype != torch.bfloat16 or not math.isfinite(single):
+        return single
+    (word,) = struct.unpack("<I", struct.pack("<f", single))
+    word = (word + 0x7FFF + ((word >> 16) & 1)) & 0xFFFF0000  # (to nearest even, in bfloat16)
+    return struct.unpack("<f", struct.pack("<I", word))[0]
+
+
+def _constant(arg: Any, dtype: torch.dtype) -> float | None:
+    """The value of ``arg`` as an element of ``dtype`` when it is a constant scalar (a Python
+    number, a ``scalar_tensor`` or ``full``, views of one), else None; None for NaN (it equals nothing)."""
+    while isinstance(arg, torch.fx.Node):
+        op = _packet(arg.target) if arg.op == "call_function" else None
+        if op in _VIEWS and arg.args:
+            arg = arg.args[0]
+            continue
+        position = _FILLS.get(op)  # (the fill value's argument)
+        if position is None or len(arg.args) <= position:
+            return None
+        value = arg.args[position]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        val = arg.meta.get("val")
+        own = val.dtype if isinstance(val, Tensor) and val.dtype in FLOATS else dtype
+        return _constant(_as_element(float(value), own), dtype)
+    if isinstance(arg, bool) or not isinstance(arg, (int, float)):
+        return None
+    value = _as_element(float(arg), dtype)
+    return None if math.isnan(value) else value
+
+
+def _two_constants(node: Any, dtype: torch.dtype) -> tuple[float, float] | None:
+    """``(a, b)`` when ``node`` is ``where(condition, a, b)`` of two constant scalars (through
+    views), as elements of ``dtype``: a float mask such as the causal mask an attention reads
+    (0 where attended, -inf elsewhere), which one bit an element holds exactly."""
+    while node.op == "call_function" and _packet(node.target) in _VIEWS and node.args:
+        node = node.args[0]
+    if node.op != "call_function" or _packet(node.target) is not torch.ops.aten.where:
+        return None
+    if len(node.args) != 3:
+        return None
+    a, b = _constant(node.args[1], dtype), _constant(node.args[2], dtype)
+    return None if a is None or b is None else (a, b)
+
+
+def _read_through_exp(bw_graph: Any, name: str) -> bool:
+    """Whether the backward graph reads its input ``name`` only through ``exp`` of it, less
+    values that do not depend on it (``exp(x - max - log(sum))``: a log-softmax recomputed
+    from its saved logits), or as the output a log-softmax's backward exponentiates."""
+    starts = [n for n in bw_graph.find_nodes(op="placeholder") if n.name == name]
+    return bool(starts) and _only_exponentiated(starts, starts[0], 4)
+
+
+def _only_exponentiated(nodes: list[Any], source: Any, depth: int) -> bool:
+    uses = [use for use in _uses(nodes) if _SHAPE_ONLY.get(use[0]) != use[2]]
+    if not uses or depth == 0:
+        return False
+    for op, user, pos, _ in uses:
+        if (op is torch.ops.aten.exp and pos == 0) or (
+            op is torch.ops.aten._log_softmax_backward_data and pos == 1
+        ):
+            continue
+        shifted = (op is torch.ops.aten.sub and pos == 0) or op is torch.ops.aten.add
+        others = [a for i, a in enumerate(user.args[:2]) if i != pos]
+        if len(user.args) != 2 or not shifted or _depends_on(others[0], source):
+            return False
+        if not _only_exponentiated([user], source, depth - 1):
+            return False
+    return True
+
+
+def _depends_on(arg: Any, source: Any, depth: int = 16) -> bool:
+    """Whether the fx value ``arg`` may be computed from ``source`` (True past ``depth``)."""
+    todo, seen = [(arg, 0)], set()
+    while todo:
+        node, d = todo.pop()
+        if not isinstance(node, torch.fx.Node) or node in seen:
+            continue
+        if node is source or d > depth:
+            return True
+        seen.add(node)
+        todo.extend((a, d + 1) for a in node.all_input_nodes)
+    return False
+
+
 def _softmax_input(node: Any) -> bool:
     """Whether the forward takes a max or logsumexp of ``node`` (through views): a softmax's
     input, which backward exponentiates against that statistic."""
@@ -402,7 +513,11 @@ class Treatment:
     """How one saved tensor is kept: ``kind`` is ``"keep"``, ``"quantize"``, ``"relu"``
     (mask plus values), ``"mask"`` (a ReLU's output of which backward reads only where it
     is positive: its 1-bit mask alone) or ``"index"`` (max-pooling indices in the
-    narrowest integer type that holds them); ``bits`` the quantization's bits; ``why`` names the rule;
+    narrowest integer type that holds them), ``"bits"`` (a bool tensor at 1 bit an element),
+    ``"select"`` (a float tensor that holds one of two constants, chosen by a bool: a float
+    attention mask, 1 bit an element, lossless) or ``"exp"`` (a tensor backward reads only
+    through ``exp``, such as log-probabilities or logits: ``exp(x - rowmax)`` quantized, an
+    unbiased estimate of what backward reads, and the row maxima exact); ``bits`` the quantization's bits; ``why`` names the rule;
     ``exact_features``: how many features of the last dim (those of largest magnitude) are
     kept exact beside the quantized rest."""
 
@@ -411,12 +526,15 @@ class Treatment:
     why: str = ""
     exact_features: int = 0
     dtype: torch.dtype | None = None  # what an "index" is stored as
+    values: tuple[float, float] | None = None  # a "select"'s two values (where set, where not)
 
 
 def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) -> Treatment:
     """How a compiled graph keeps the saved tensor ``x`` (see the module docstring)."""
     if policy.bits is None:
         return Treatment("keep", why="the level keeps everything")
+    if x.dtype == torch.bool and x.layout == torch.strided and x.numel() >= policy.min_numel:
+        return Treatment("bits", why="a bool tensor: 1 bit an element")
     if x.dtype not in FLOATS or x.layout != torch.strided:
         if x.dtype == torch.int64 and context is not None:
             narrow = _pooling_index_dtype(context["_node"])
@@ -432,6 +550,12 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
             "quantize", max(policy.bits, policy.nonlinear_bits), why="no graph context"
         )
     node = context["_node"]
+    values = _two_constants(node, x.dtype)
+    if values is not None:
+        return Treatment("select", why="one of two constants chosen by a bool", values=values)
+    if _read_through_exp(context["_bw_graph"], node.name):
+        bits = max(policy.bits, policy.nonlinear_bits)
+        return Treatment("exp", bits, why="read through exp in backward")
     producer, index = _producer(node)
     normalized = (producer in _BATCH_NORMS or producer in _ROW_NORMS) and index == 0
     if producer in _EXACT_PRODUCERS and not normalized:
