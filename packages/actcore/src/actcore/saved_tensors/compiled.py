@@ -233,7 +233,9 @@ def _pack_graph(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) 
         extra = how.values
         parts["mask"] = _pack_bool(data == how.values[0])
     elif how.kind == "exp":  # backward reads exp(x): an unbiased estimate of it, in (0, 1]
-        parts["shift"] = data.detach().amax(-1, keepdim=True)
+        # (a row all -inf shifts by the lowest finite value: its exp stays 0, not NaN)
+        lowest = torch.finfo(data.dtype).min
+        parts["shift"] = data.detach().amax(-1, keepdim=True).clamp_min(lowest)
         parts["payload"], parts["lo"], parts["step"] = _quantize(
             torch.exp(data - parts["shift"]), how.bits, policy.group_size
         )

@@ -421,9 +421,10 @@ def _only_exponentiated(nodes: list[Any], source: Any, depth: int) -> bool:
             op is torch.ops.aten._log_softmax_backward_data and pos == 1
         ):
             continue
-        shifted = (op is torch.ops.aten.sub and pos == 0) or op is torch.ops.aten.add
-        others = [a for i, a in enumerate(user.args[:2]) if i != pos]
-        if len(user.args) != 2 or not shifted or _depends_on(others[0], source):
+        shifted = (op is torch.ops.aten.sub and pos == 0) or (
+            op is torch.ops.aten.add and pos in (0, 1)
+        )
+        if not shifted or len(user.args) != 2 or _depends_on(user.args[1 - pos], source):
             return False
         if not _only_exponentiated([user], source, depth - 1):
             return False
@@ -517,8 +518,8 @@ class Treatment:
     ``"select"`` (a float tensor that holds one of two constants, chosen by a bool: a float
     attention mask, 1 bit an element, lossless) or ``"exp"`` (a tensor backward reads only
     through ``exp``, such as log-probabilities or logits: ``exp(x - rowmax)`` quantized, an
-    unbiased estimate of what backward reads, and the row maxima exact); ``bits`` the quantization's bits; ``why`` names the rule;
-    ``exact_features``: how many features of the last dim (those of largest magnitude) are
+    unbiased estimate of what backward reads, and the row maxima exact); ``bits`` the
+    quantization's bits; ``why`` names the rule; ``exact_features``: how many features of the last dim (those of largest magnitude) are
     kept exact beside the quantized rest."""
 
     kind: str
