@@ -309,12 +309,18 @@ _MAX_POOLS = {
 }  # fmt: skip
 
 
+def _unviewed(node: Any) -> Any:
+    """The node ``node`` is a view of (through :data:`_VIEWS`), or ``node``."""
+    while node.op == "call_function" and _packet(node.target) in _VIEWS and node.args:
+        node = node.args[0]
+    return node
+
+
 def _pooling_index_dtype(node: Any) -> torch.dtype | None:
     """The narrowest integer type that holds the max-pooling indices ``node`` exactly (they
     index one plane of the pooled input), or None if ``node`` is not such indices or the
     plane's size is symbolic."""
-    while node.op == "call_function" and _packet(node.target) in _VIEWS and node.args:
-        node = node.args[0]
+    node = _unviewed(node)
     if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 1:
         return None
     pool = node.args[0]
@@ -369,24 +375,20 @@ def _as_element(value: float, dtype: torch.dtype) -> float:
 
 def _constant(arg: Any, dtype: torch.dtype) -> float | None:
     """The value of ``arg`` as an element of ``dtype`` when it is a constant scalar (a Python
-    number, a ``scalar_tensor`` or ``full``, views of one), else None; None for NaN (it equals nothing)."""
-    while isinstance(arg, torch.fx.Node):
-        op = _packet(arg.target) if arg.op == "call_function" else None
-        if op in _VIEWS and arg.args:
-            arg = arg.args[0]
-            continue
-        position = _FILLS.get(op)  # (the fill value's argument)
+    number, a ``scalar_tensor`` or ``full``, views of one), else None; None for NaN (it
+    equals nothing)."""
+    own = dtype
+    if isinstance(arg, torch.fx.Node):
+        arg = _unviewed(arg)
+        position = _FILLS.get(_packet(arg.target)) if arg.op == "call_function" else None
         if position is None or len(arg.args) <= position:
-            return None
-        value = arg.args[position]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
             return None
         val = arg.meta.get("val")
         own = val.dtype if isinstance(val, Tensor) and val.dtype in FLOATS else dtype
-        return _constant(_as_element(float(value), own), dtype)
+        arg = arg.args[position]  # (the fill value)
     if isinstance(arg, bool) or not isinstance(arg, (int, float)):
         return None
-    value = _as_element(float(arg), dtype)
+    value = _as_element(_as_element(float(arg), own), dtype)
     return None if math.isnan(value) else value
 
 
@@ -394,8 +396,7 @@ def _two_constants(node: Any, dtype: torch.dtype) -> tuple[float, float] | None:
     """``(a, b)`` when ``node`` is ``where(condition, a, b)`` of two constant scalars (through
     views), as elements of ``dtype``: a float mask such as the causal mask an attention reads
     (0 where attended, -inf elsewhere), which one bit an element holds exactly."""
-    while node.op == "call_function" and _packet(node.target) in _VIEWS and node.args:
-        node = node.args[0]
+    node = _unviewed(node)
     if node.op != "call_function" or _packet(node.target) is not torch.ops.aten.where:
         return None
     if len(node.args) != 3:
@@ -408,7 +409,7 @@ def _read_through_exp(bw_graph: Any, name: str) -> bool:
     """Whether the backward graph reads its input ``name`` only through ``exp`` of it, less
     values that do not depend on it (``exp(x - max - log(sum))``: a log-softmax recomputed
     from its saved logits), or as the output a log-softmax's backward exponentiates."""
-    starts = [n for n in bw_graph.find_nodes(op="placeholder") if n.name == name]
+    starts = _placeholders(bw_graph, name)
     return bool(starts) and _only_exponentiated(starts, starts[0], 4)
 
 
@@ -506,7 +507,12 @@ def _uses(starts: list[Any]) -> list[tuple[Any, Any, int, Any]]:
 
 def _consumers(bw_graph: Any, name: str) -> list[tuple[Any, Any, int, Any]]:
     """:func:`_uses` of the backward graph's input ``name``."""
-    return _uses([n for n in bw_graph.find_nodes(op="placeholder") if n.name == name])
+    return _uses(_placeholders(bw_graph, name))
+
+
+def _placeholders(bw_graph: Any, name: str) -> list[Any]:
+    """The backward graph's input ``name`` (a saved tensor), as a list of at most one node."""
+    return [n for n in bw_graph.find_nodes(op="placeholder") if n.name == name]
 
 
 @dataclass(frozen=True)
@@ -519,8 +525,8 @@ class Treatment:
     attention mask, 1 bit an element, lossless) or ``"exp"`` (a tensor backward reads only
     through ``exp``, such as log-probabilities or logits: ``exp(x - rowmax)`` quantized, an
     unbiased estimate of what backward reads, and the row maxima exact); ``bits`` the
-    quantization's bits; ``why`` names the rule; ``exact_features``: how many features of the last dim (those of largest magnitude) are
-    kept exact beside the quantized rest."""
+    quantization's bits; ``why`` names the rule; ``exact_features``: how many features of
+    the last dim (those of largest magnitude) are kept exact beside the quantized rest."""
 
     kind: str
     bits: int | None = None
