@@ -7,11 +7,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..config import LevelSpec, level_spec
 from ..rng import transforms_active
-from ..saved_tensors.op_mode import call_outside_modes
+from ..saved_tensors.op_mode import call_outside_modes, recomputed
 from .stash import Scheme, layer_spec, needs_saving
 
 __all__ = [
@@ -71,9 +70,9 @@ class QLayer(ConvertedLayer):
                 # a norm, whose output the layer route derives from its packed input:
                 # traced in a non-reentrant checkpoint, so the compiled graph saves the
                 # input once and backward recomputes the output from it, not a second,
-                # separately packed copy for the products that read it
-                call = super().__call__  # type: ignore[misc]
-                return checkpoint(call, *args, use_reentrant=False, **kwargs)
+                # separately packed copy for the products that read it; its statistics
+                # (a decomposed norm's means) are saved exact, as the layer route keeps them
+                return recomputed(super().__call__, *args, **kwargs)  # type: ignore[misc]
             if self.act_in_scope or not packs:
                 return super().__call__(*args, **kwargs)  # type: ignore[misc]
             return _outside_compile(super().__call__, args, kwargs)  # type: ignore[misc]

@@ -41,10 +41,8 @@ from ..saved_tensors.hooks import SavedTensorHooks
 from .routing import FunctionalRouter
 
 __all__ = [
-    "COMPILED_ROW_NORM_BITS",
     "ModelScope",
     "attach_scope",
-    "compiled_row_norm_bits",
     "detach_scope",
     "hook_bits",
     "scope_exact",
@@ -52,18 +50,6 @@ __all__ = [
 ]
 
 _ACTIVE = threading.local()  # .stack: the scopes entered on this thread, innermost last
-
-
-COMPILED_ROW_NORM_BITS = 8
-"""The fewest bits of a layer / group / RMS norm's input in compiled graphs: backward
-recomputes the norm, statistics included, from it, and a variance taken of a 4-bit input
-holds the rounding noise's too (a small ViT's gradient cosine 0.80 at 4 bits, 0.99 at 8;
-the eager route keeps the statistics exact)."""
-
-
-def compiled_row_norm_bits(bits: int | None) -> int | None:
-    """A norm input's bits in compiled graphs at a level giving it ``bits`` (None: exact)."""
-    return None if bits is None else max(bits, COMPILED_ROW_NORM_BITS)
 
 
 def hook_bits(spec: LevelSpec) -> int | None:
@@ -89,7 +75,7 @@ class ModelScope:
             kind_bits=KindBits(
                 product=self.spec.conv_bits,
                 batch_norm=self.spec.norm_bits,
-                row_norm=compiled_row_norm_bits(self.spec.row_norm_bits),
+                row_norm=self.spec.row_norm_bits,
                 activation=self.spec.activation_bits,
             ),
         )

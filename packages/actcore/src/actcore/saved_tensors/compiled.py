@@ -43,6 +43,9 @@ producer and its consumers in the backward graph, and treat it by kind
   group / RMS norm or a smooth activation, recognised by the forward ops that read it (the
   decomposed ones too), gets that kind's bits (the most of its kinds; probabilities at
   least ``nonlinear_bits``);
+* a tensor from which backward takes a norm's statistics (a fused layer norm replayed whole,
+  a ``var_mean`` or a mean of squares, directly or through elementwise ops): at least
+  :data:`~actcore.saved_tensors.graph_treatment.RECOMPUTED_STATISTICS_BITS`;
 * read only by matrix products and convolution backward (and as an attention's v or
   output, which its backward reads linearly): the level's bits;
 * otherwise (a smooth activation's input, a softmax / sigmoid / tanh output, a norm's input):
@@ -72,6 +75,7 @@ from torch import Tensor
 from ..ops.library import dequantize, pack_bits, relu_mask, unpack_bits
 from ..ops.masked import kept_floor
 from ..ops.seeds import quantize_fresh
+from . import partition_pass
 from .graph_treatment import GraphPolicy, treatment
 
 __all__ = ["SavedHooksGraph", "graph_hooks", "inlining_supported", "is_own_graph"]
@@ -139,7 +143,8 @@ def push_owner(hooks: Any) -> None:
     """Make ``hooks`` the one eager saves go to, and have compiled graphs pack what they save
     from their inputs too (the filtering mode ``"no_static"``: all but parameters and
     buffers). By default PyTorch packs only a graph's intermediates, so an activation that
-    crosses a graph break (an input of the next graph) would be kept whole."""
+    crosses a graph break (an input of the next graph) would be kept whole. Meanwhile
+    inductor's partitioner runs :mod:`.partition_pass`."""
     import torch._functorch.config as functorch_config
 
     _owners().append(hooks)
@@ -147,6 +152,7 @@ def push_owner(hooks: Any) -> None:
         if not _FILTERING["pushed"]:
             _FILTERING["saved"] = functorch_config.saved_tensors_hooks_filtering_mode
             functorch_config.saved_tensors_hooks_filtering_mode = "no_static"
+            partition_pass.install()
         _FILTERING["pushed"] += 1
 
 
@@ -161,6 +167,7 @@ def pop_owner(hooks: Any) -> None:
                 _FILTERING["pushed"] -= 1
                 if not _FILTERING["pushed"]:
                     functorch_config.saved_tensors_hooks_filtering_mode = _FILTERING["saved"]
+                    partition_pass.uninstall()
             return
 
 

@@ -17,12 +17,27 @@ from torch import Tensor
 from ..compressors.channel_scaled import exact_channels
 from ..layers.roles import batch_norm_bits
 
-__all__ = ["EXACT_FEATURE_SHARE", "FLOATS", "GraphPolicy", "KindBits", "Treatment", "treatment"]
+__all__ = [
+    "EXACT_FEATURE_SHARE",
+    "FLOATS",
+    "RECOMPUTED_STATISTICS_BITS",
+    "GraphPolicy",
+    "KindBits",
+    "Treatment",
+    "treatment",
+]
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 EXACT_FEATURE_SHARE = 16
 """q and k of a recomputed attention keep ``head_dim // EXACT_FEATURE_SHARE`` features (at
 least one) of largest magnitude exact."""
+
+RECOMPUTED_STATISTICS_BITS = 8
+"""The fewest bits of a norm's input from which backward recomputes the norm's statistics
+(a fused ``native_layer_norm`` replayed in backward): a variance taken of a 4-bit input holds
+the rounding noise's too (a small ViT's gradient cosine 0.80 at 4 bits, 0.99 at 8). A norm
+whose statistics backward reads as saved (a decomposed RMS norm's means, which a converted
+model's recomputed norms keep exact) takes the level's row-norm bits."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +100,7 @@ _EXACT_CONSUMERS = _packets(
     "expm1", "eq", "ne", "lt", "le", "gt", "ge", "max", "min", "amax", "amin", "maximum",
     "minimum", "fmax", "fmin", "sort", "topk", "argmax", "argmin", "sign", "sgn",
     "_log_softmax_backward_data", "prod", "cumprod", "atan2", "remainder", "fmod",
+    "sin", "cos", "tan",  # (periodic: a rotary embedding's angles, hundreds of radians)
 )  # fmt: skip
 _EXACT_PRODUCERS = _packets(
     "_log_softmax", "log_softmax", "mean", "sum", "var_mean", "var", "std", "amax", "amin",
@@ -278,6 +294,21 @@ def _square(node: Any) -> bool:
 def _mean_of_square(user: Any) -> bool:
     """Whether ``user`` squares its input for a mean (``mean(x ** 2)``: an RMS norm)."""
     return _square(user) and any(_packet(u.target) is torch.ops.aten.mean for u in user.users)
+
+
+def _statistics_recomputed(starts: list[Any], depth: int = 4) -> bool:
+    """Whether backward takes a norm's statistics of its input nodes ``starts`` (a saved
+    tensor), or of a value elementwise ops make from them (a position embedding added): a
+    fused norm replayed, a ``var_mean``, a mean of a square."""
+    nodes = list(starts)
+    for _ in range(depth):
+        uses = _uses(nodes)
+        if any(
+            op in _ROW_NORMS or op in _MOMENTS or _mean_of_square(user) for op, user, *_ in uses
+        ):
+            return True
+        nodes = [user for op, user, *_ in uses if op in _POINTWISE]
+    return False
 
 
 def _forward_kinds(node: Any) -> set[str]:
@@ -611,6 +642,9 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
     if relu and not values_read:
         return Treatment("mask", why="a ReLU's output read for its mask only")
     kind = "relu" if relu else "quantize"
+    # backward takes a norm's statistics of it: more bits (RECOMPUTED_STATISTICS_BITS)
+    statistics = _statistics_recomputed(_placeholders(context["_bw_graph"], node.name))
+    floor = RECOMPUTED_STATISTICS_BITS if statistics else 1
     if policy.kinds is not None:
         inputs = _forward_kinds(node)
         if "product" in inputs:
@@ -622,7 +656,7 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
             chosen = [getattr(policy.kinds, k) for k in sorted(inputs)]
             if any(b is None for b in chosen):
                 return Treatment("keep", why=f"the level keeps {'/'.join(sorted(inputs))} inputs")
-            bits = max(b for b in chosen if b is not None)
+            bits = max(floor, *(b for b in chosen if b is not None))
             if "batch_norm" in inputs and all(isinstance(n, int) for n in x.shape):
                 bits = max(bits, batch_norm_bits(x))  # (few values per channel: more bits)
             if producer in _PROBABILITIES:
@@ -636,4 +670,6 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
             return Treatment(kind, bits, why=why, exact_features=exact)
     if linear and producer not in _PROBABILITIES:
         return Treatment(kind, policy.bits, why="read by products only")
-    return Treatment(kind, max(policy.bits, policy.nonlinear_bits), why="read nonlinearly")
+    bits = max(policy.bits, policy.nonlinear_bits, floor)
+    why = "a norm's statistics recomputed from it" if statistics else "read nonlinearly"
+    return Treatment(kind, bits, why=why)

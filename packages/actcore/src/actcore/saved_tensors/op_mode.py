@@ -26,12 +26,18 @@ another torch function's Python body, or from C++, is not seen).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from .exact_ops import ExactOps, exact_check
 
@@ -46,6 +52,7 @@ __all__ = [
     "outside_function_modes",
     "plain_float",
     "plain_tensor",
+    "recomputed",
     "wants_grad",
 ]
 
@@ -81,9 +88,44 @@ DERIVED_OUTPUTS = frozenset(
     | {F.layer_norm, F.group_norm, *([F.rms_norm] if hasattr(F, "rms_norm") else [])}
 )
 """Calls whose output the layer route derives from their packed input: traced by Dynamo
-under a converted model's scope they run in a non-reentrant checkpoint, so the compiled
-graph saves their input once and backward recomputes the output (and a norm's statistics)
-from it, not a second, separately packed copy."""
+under a converted model's scope they run :func:`recomputed`, so the compiled graph saves
+their input once and backward recomputes the output from it, not a second, separately
+packed copy."""
+
+# what a recomputed call keeps from its forward: its statistics (a few values per row),
+# exact; backward recomputes the rest against them
+_STATISTICS = frozenset(
+    getattr(torch.ops.aten, name)
+    for name in ("mean", "sum", "var_mean", "var", "std", "std_mean")
+    if hasattr(torch.ops.aten, name)
+)
+
+
+def _statistics_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective checkpointing's choice for ``op`` in a recomputed call: a reduction's output
+    saved, everything else recomputed."""
+    if getattr(op, "overloadpacket", op) in _STATISTICS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _statistics_saved() -> Any:
+    return create_selective_checkpoint_contexts(_statistics_policy)
+
+
+_RECOMPUTED: dict[str, Any] = {"use_reentrant": False, "context_fn": _statistics_saved}
+if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters:
+    # what the checkpoint saves goes through the scope's hooks too (torch's future default)
+    _RECOMPUTED["respect_saved_tensors_hooks"] = True
+
+
+def recomputed(func: Any, *args: Any, **kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` (traced by Dynamo) in a non-reentrant selective checkpoint:
+    the compiled graph saves its inputs and its statistics (the means of a decomposed norm,
+    exact), and backward recomputes the rest from them. With the statistics saved, backward
+    normalizes a norm's packed input by the forward's own; recomputed from the packed input,
+    they would take in its rounding noise."""
+    return checkpoint(func, *args, **_RECOMPUTED, **kwargs)
 
 
 def _floor_kind(func: Any) -> str | None:
@@ -230,7 +272,7 @@ class OpMode(ExactOps):
             if (self.recompute_attention and _is_one_of(func, ATTENTION_FUNCTIONS)) or (
                 self.recompute_derived and _is_one_of(func, DERIVED_OUTPUTS)
             ):
-                return torch.utils.checkpoint.checkpoint(func, *args, use_reentrant=False, **kwargs)
+                return recomputed(func, *args, **kwargs)
             return func(*args, **kwargs)
         if self.suspended is not None and self.suspended():
             return func(*args, **kwargs)
