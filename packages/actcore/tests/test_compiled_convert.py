@@ -330,6 +330,29 @@ def test_a_zero_channel_in_half_precision_stays_finite() -> None:
     assert torch.isfinite(w.grad).all()
 
 
+def test_angles_read_by_sin_and_cos_are_kept_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rotary angles run to hundreds of radians: rounded at a few bits, their sine and
+    cosine in backward would be noise. A tensor backward reads through sin or cos is kept."""
+    spy = _Spy(monkeypatch)
+    positions = torch.arange(512.0).requires_grad_()
+    x = torch.randn(512, 8, requires_grad=True)
+    frequencies = torch.logspace(0, -3, 8)
+
+    def rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        angles = positions[:, None] * frequencies
+        return (x * torch.cos(angles) + x * torch.sin(angles)).square().sum()
+
+    torch._dynamo.reset()
+    fn = torch.compile(rotary, backend=BACKEND)
+    with actcore.compress_saved_tensors("G1.2", min_numel=256):
+        loss = fn(x, positions)
+    loss.backward()
+    kept = {shape for shape, how in spy.seen if how.why == "read through sin or cos in backward"}
+    assert kept, spy.seen  # (the positions, from which backward recomputes the angles)
+    expected = torch.autograd.grad(rotary(x, positions), positions)[0]
+    assert F.cosine_similarity(positions.grad, expected, 0) > 0.95
+
+
 class _PythonRMSNorm(nn.Module):
     """An RMS norm written in Python (as Hugging Face's Llama writes its own)."""
 

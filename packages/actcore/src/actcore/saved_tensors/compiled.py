@@ -21,7 +21,8 @@ producer and its consumers in the backward graph, and treat it by kind
   statistics, an attention's logsumexp, q and k of an attention backward that reads a
   saved logsumexp (its kernel rebuilds the probabilities as ``exp(q k^T - logsumexp)``),
   and (with ``exact_ops``) anything a comparison, division, power, log or exp in backward
-  reads;
+  reads, or reads through ``sin`` or ``cos``, elementwise ops between (rotary positions and
+  angles: hundreds of radians);
 * q and k of an attention that backward recomputes (``F.scaled_dot_product_attention``
   under the hooks, see :class:`~actcore.saved_tensors.op_mode.OpMode`): at least
   ``nonlinear_bits``, their features of largest magnitude exact;

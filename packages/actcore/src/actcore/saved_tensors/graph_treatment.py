@@ -100,8 +100,10 @@ _EXACT_CONSUMERS = _packets(
     "expm1", "eq", "ne", "lt", "le", "gt", "ge", "max", "min", "amax", "amin", "maximum",
     "minimum", "fmax", "fmin", "sort", "topk", "argmax", "argmin", "sign", "sgn",
     "_log_softmax_backward_data", "prod", "cumprod", "atan2", "remainder", "fmod",
-    "sin", "cos", "tan",  # (periodic: a rotary embedding's angles, hundreds of radians)
 )  # fmt: skip
+# periodic: an absolute error of the argument, not a relative one, sets the error of the value
+# (rotary angles run to hundreds of radians)
+_PERIODIC = _packets("sin", "cos", "tan")
 _EXACT_PRODUCERS = _packets(
     "_log_softmax", "log_softmax", "mean", "sum", "var_mean", "var", "std", "amax", "amin",
     "rsqrt", "reciprocal", "native_layer_norm", "native_batch_norm",
@@ -296,19 +298,22 @@ def _mean_of_square(user: Any) -> bool:
     return _square(user) and any(_packet(u.target) is torch.ops.aten.mean for u in user.users)
 
 
-def _statistics_recomputed(starts: list[Any], depth: int = 4) -> bool:
-    """Whether backward takes a norm's statistics of its input nodes ``starts`` (a saved
-    tensor), or of a value elementwise ops make from them (a position embedding added): a
-    fused norm replayed, a ``var_mean``, a mean of a square."""
+def _reached(starts: list[Any], found: Any, depth: int = 4) -> bool:
+    """Whether ``found(op, user)`` holds for a use of the backward graph's nodes ``starts``
+    or of a value elementwise ops make from them (within ``depth`` ops)."""
     nodes = list(starts)
     for _ in range(depth):
         uses = _uses(nodes)
-        if any(
-            op in _ROW_NORMS or op in _MOMENTS or _mean_of_square(user) for op, user, *_ in uses
-        ):
+        if any(found(op, user) for op, user, *_ in uses):
             return True
         nodes = [user for op, user, *_ in uses if op in _POINTWISE]
     return False
+
+
+def _takes_statistics(op: Any, user: Any) -> bool:
+    """Whether ``user`` takes a norm's statistics of its input: a fused norm replayed, a
+    ``var_mean``, a mean of a square."""
+    return op in _ROW_NORMS or op in _MOMENTS or _mean_of_square(user)
 
 
 def _forward_kinds(node: Any) -> set[str]:
@@ -604,6 +609,9 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
         return Treatment("keep", why="a statistic (made from a reduction)")
     if _softmax_input(node):
         return Treatment("keep", why="a softmax's input (logits)")
+    starts = _placeholders(context["_bw_graph"], node.name)
+    if policy.exact_ops and _reached(starts, lambda op, _: op in _PERIODIC):
+        return Treatment("keep", why="read through sin or cos in backward")
     consumers = _consumers(context["_bw_graph"], node.name)
     relu = producer in _RELUS
     linear = True
@@ -643,7 +651,7 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
         return Treatment("mask", why="a ReLU's output read for its mask only")
     kind = "relu" if relu else "quantize"
     # backward takes a norm's statistics of it: more bits (RECOMPUTED_STATISTICS_BITS)
-    statistics = _statistics_recomputed(_placeholders(context["_bw_graph"], node.name))
+    statistics = _reached(starts, _takes_statistics)
     floor = RECOMPUTED_STATISTICS_BITS if statistics else 1
     if policy.kinds is not None:
         inputs = _forward_kinds(node)
