@@ -353,6 +353,35 @@ def test_angles_read_by_sin_and_cos_are_kept_exact(monkeypatch: pytest.MonkeyPat
     assert F.cosine_similarity(positions.grad, expected, 0) > 0.95
 
 
+class _Wrapped(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_a_convolution_input_is_scaled_per_channel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A convolution's input (NCHW, 12 x 12 pixels a channel: its quantization groups span
+    two channels) is scaled by channel, dim 1: one channel 1000x larger no longer sets the
+    rounding step of its neighbours, whose weight gradients stay close."""
+    spy = _Spy(monkeypatch)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(16, 8, 3, padding=1)
+    x = torch.randn(4, 16, 12, 12)
+    x[:, 0] *= 1000
+    exact = torch.autograd.grad(conv(x).square().mean(), conv.weight)[0]
+    model = actcore.convert(_Wrapped(copy.deepcopy(conv)), "L3")
+    torch._dynamo.reset()
+    torch.compile(model, backend=BACKEND, fullgraph=True)(x).square().mean().backward()
+    packed = [how for shape, how in spy.seen if shape == (4, 16, 12, 12)]
+    assert packed and {how.channel_dim for how in packed} == {1}, packed
+    grad = model.inner.weight.grad
+    cosine = F.cosine_similarity(grad[:, 1:].flatten(), exact[:, 1:].flatten(), 0)
+    assert cosine > 0.6, cosine  # (2 bits: 0.79; scaled along the last dim, pixels: 0.04)
+
+
 class _PythonRMSNorm(nn.Module):
     """An RMS norm written in Python (as Hugging Face's Llama writes its own)."""
 

@@ -253,8 +253,9 @@ def _pack_graph(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) 
             index = magnitude.topk(how.exact_features).indices
             parts["exact"], parts["index"] = x.index_select(-1, index).permute(order), index
             data = x.index_fill(-1, index, 0).permute(order)  # the rest without the outliers
-        if how.kind == "quantize" and data.dim() > 1:
-            parts["scale"] = _channel_scale(data)
+        channels = order.index(how.channel_dim % x.dim()) if x.dim() else 0
+        if how.kind == "quantize" and _groups_mix_channels(data, channels, policy.group_size):
+            parts["scale"] = _channel_scale(data, channels)
             data = data / parts["scale"]
         parts["payload"], parts["lo"], parts["step"] = _quantize(data, how.bits, policy.group_size)
     names = tuple(parts)
@@ -265,13 +266,25 @@ def _pack_graph(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) 
 _ONE_BIT_KINDS = ("mask", "bits", "select")  # (kept at 1 bit an element: no bits to give)
 
 
-def _channel_scale(data: Tensor) -> Tensor:
-    """A power of two per channel of ``data``'s last (innermost) dim, at least its largest
-    magnitude: divided by it, every channel spans at most [-1, 1], so one outlier channel
-    no longer sets the rounding step of a whole group (the layer route's
-    :class:`~actcore.compressors.ChannelScaled`, in the traceable form). Powers of two divide
-    and multiply exactly, so stochastic rounding stays unbiased."""
-    amax = data.detach().abs().flatten(0, -2).amax(0).float()
+def _groups_mix_channels(data: Tensor, dim: int, group_size: int) -> bool:
+    """Whether quantization groups of ``group_size`` consecutive elements of ``data`` (in
+    memory order) hold elements of more than one channel along ``dim``: unless the elements
+    inside one channel's slice (the dims after ``dim``) are a multiple of ``group_size``
+    (a convolution's channel of 64 x 64 pixels in NCHW order). A symbolic size: assume so."""
+    if data.dim() < 2:
+        return False
+    inner = math.prod(data.shape[dim + 1 :])
+    return not isinstance(inner, int) or inner % group_size != 0
+
+
+def _channel_scale(data: Tensor, dim: int) -> Tensor:
+    """A power of two per channel of ``data`` along ``dim``, at least its largest magnitude
+    (shaped to broadcast against ``data``): divided by it, every channel spans at most
+    [-1, 1], so one outlier channel no longer sets the rounding step of a whole group (the
+    layer route's :class:`~actcore.compressors.ChannelScaled`, in the traceable form).
+    Powers of two divide and multiply exactly, so stochastic rounding stays unbiased."""
+    others = [d for d in range(data.dim()) if d != dim]
+    amax = data.detach().abs().amax(others, keepdim=True).float()
     tiny = torch.finfo(data.dtype).tiny  # (an all-zero channel: a scale the dtype holds)
     return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(tiny)))).to(data.dtype)
 

@@ -337,6 +337,26 @@ def _forward_kinds(node: Any) -> set[str]:
     return kinds
 
 
+_SPATIAL = _packets(
+    "convolution", "_convolution", "max_pool2d_with_indices", "max_pool3d_with_indices",
+    "avg_pool2d", "avg_pool3d", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d",
+    "adaptive_avg_pool2d", "upsample_nearest2d", "upsample_bilinear2d",
+)  # fmt: skip
+
+
+def _channel_dim(node: Any, ndim: int) -> int:
+    """The dim of the channels of ``node`` (an ``ndim``-D tensor): 1 where the forward reads
+    it as ``[N, C, *spatial]`` (a convolution, a batch norm, a pool), else the last."""
+    if ndim < 3:
+        return -1
+    for op, user, _, _ in _uses([node]):
+        if op in _SPATIAL or op in _BATCH_NORMS:
+            return 1
+        if op in _MOMENTS and _moment_kind(user) == "batch_norm":
+            return 1
+    return -1
+
+
 _MAX_POOLS = {
     op: nd
     for nd, names in ((1, ("max_pool1d_with_indices",)), (2, ("max_pool2d_with_indices",)),
@@ -562,12 +582,16 @@ class Treatment:
     through ``exp``, such as log-probabilities or logits: ``exp(x - rowmax)`` quantized, an
     unbiased estimate of what backward reads, and the row maxima exact); ``bits`` the
     quantization's bits; ``why`` names the rule; ``exact_features``: how many features of
-    the last dim (those of largest magnitude) are kept exact beside the quantized rest."""
+    the last dim (those of largest magnitude) are kept exact beside the quantized rest;
+    ``channel_dim``: the dim whose channels a quantized tensor is scaled by (each to its own
+    range, where its quantization groups would mix channels): dim 1 of what convolutions,
+    batch norms and pools read, else the last."""
 
     kind: str
     bits: int | None = None
     why: str = ""
     exact_features: int = 0
+    channel_dim: int = -1  # the dim of its channels (1: a convolution's [N, C, *spatial])
     dtype: torch.dtype | None = None  # what an "index" is stored as
     values: tuple[float, float] | None = None  # a "select"'s two values (where set, where not)
 
@@ -653,6 +677,7 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
     # backward takes a norm's statistics of it: more bits (RECOMPUTED_STATISTICS_BITS)
     statistics = _reached(starts, _takes_statistics)
     floor = RECOMPUTED_STATISTICS_BITS if statistics else 1
+    channels = _channel_dim(node, x.dim())
     if policy.kinds is not None:
         inputs = _forward_kinds(node)
         if "product" in inputs:
@@ -675,9 +700,9 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
             if kind == "relu":
                 exact = 0
             why = f"a {'/'.join(sorted(inputs))} input"
-            return Treatment(kind, bits, why=why, exact_features=exact)
+            return Treatment(kind, bits, why=why, exact_features=exact, channel_dim=channels)
     if linear and producer not in _PROBABILITIES:
-        return Treatment(kind, policy.bits, why="read by products only")
+        return Treatment(kind, policy.bits, why="read by products only", channel_dim=channels)
     bits = max(policy.bits, policy.nonlinear_bits, floor)
     why = "a norm's statistics recomputed from it" if statistics else "read nonlinearly"
-    return Treatment(kind, bits, why=why)
+    return Treatment(kind, bits, why=why, channel_dim=channels)
