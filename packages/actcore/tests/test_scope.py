@@ -221,6 +221,25 @@ def test_copies_and_pickles_of_a_converted_model() -> None:
         assert not m.act_scope.active
 
 
+def test_a_sequential_root_keeps_its_name_state_and_class_after_conversion() -> None:
+    """A root whose forward is torch's (``nn.Sequential``) gets a subclass with a forward of
+    actcore's (so torch.compile runs the scope's pre-hook outside the compiled frame): still
+    a ``Sequential`` by name and ``isinstance``, the same keys and outputs, picklable, and
+    its own class again once the scope is removed."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = actcore.convert(copy.deepcopy(plain), "L3")
+    assert isinstance(model, nn.Sequential) and type(model) is not nn.Sequential
+    assert type(model).__name__ == "Sequential" and repr(model).startswith("Sequential(")
+    assert list(model.state_dict()) == list(plain.state_dict())
+    x = torch.randn(5, 8)
+    restored = pickle.loads(pickle.dumps(model))
+    for m in (model, restored, model[0:3]):
+        assert torch.equal(m(x), plain(x))
+    actcore.convert(model, "L3", layers_only=True)
+    assert type(model) is nn.Sequential
+
+
 def test_convert_twice_is_one_scope_and_layers_only_removes_it() -> None:
     model = actcore.convert(_model(), "L3")
     hooks = len(model._forward_pre_hooks)

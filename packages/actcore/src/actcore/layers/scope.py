@@ -27,6 +27,7 @@ own scope).
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -213,6 +214,7 @@ def attach_scope(
     """Give ``model`` a :class:`ModelScope` (replacing an earlier one), hooks included."""
     scope = ModelScope(spec, fewbit_bits=fewbit_bits)
     model.act_scope = scope
+    _forward_of_our_own(model)
     if not _has_hook(model._forward_pre_hooks, _root_pre):
         model.register_forward_pre_hook(_root_pre, with_kwargs=True)
         model.register_forward_hook(_root_post, always_call=True)
@@ -233,6 +235,48 @@ def detach_scope(model: nn.Module) -> None:
         _remove_hooks(module, (_root_pre, _root_post, _excluded_pre, _excluded_post))
     if isinstance(model.__dict__.get("act_scope"), ModelScope):
         model.act_scope = None
+    base = _OWN_FORWARD_BASES.get(type(model))
+    if base is not None:
+        model.__class__ = base
+
+
+_OWN_FORWARD: dict[type, type] = {}  # a torch.nn class -> its subclass with our forward
+_OWN_FORWARD_BASES: dict[type, type] = {}  # and back
+
+
+def _forward_of_our_own(model: nn.Module) -> None:
+    """Give a root whose ``forward`` torch defines (``nn.Sequential``, ``nn.ModuleDict``
+    subclasses' calls...) a subclass of its class whose ``forward`` is defined here and calls
+    it. ``torch.compile`` traces such a module's whole call, hooks included, where it runs
+    the hooks of any other module outside the compiled frame; the scope's pre-hook must run
+    there (it pushes the hooks the compiled graphs inline), and traced it broke the graph
+    (``fullgraph=True`` failed on a converted ``nn.Sequential``). Same name, state and
+    behaviour; ``detach_scope`` gives the class back."""
+    cls = type(model)
+    if cls in _OWN_FORWARD_BASES or not _torch_forward(cls):
+        return
+    own = _OWN_FORWARD.get(cls)
+    if own is None:
+        torch_forward = cls.forward
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return torch_forward(self, *args, **kwargs)
+
+        # a module-level name, so converted models pickle; the class's own name in reprs
+        qualname = "Scoped_" + re.sub(r"\W", "_", f"{cls.__module__}.{cls.__qualname__}")
+        forward.__qualname__ = f"{qualname}.forward"
+        own = type(cls.__name__, (cls,), {"forward": forward, "__module__": __name__})
+        own.__qualname__ = qualname
+        globals()[qualname] = own
+        _OWN_FORWARD[cls], _OWN_FORWARD_BASES[own] = own, cls
+    model.__class__ = own
+
+
+def _torch_forward(cls: type) -> bool:
+    """Whether ``cls.forward`` is defined in ``torch.nn`` (whose module calls torch.compile
+    traces whole)."""
+    module = getattr(getattr(cls, "forward", None), "__module__", None) or ""
+    return module.startswith("torch.nn.")
 
 
 def _remove_hooks(module: nn.Module, fns: tuple) -> None:
