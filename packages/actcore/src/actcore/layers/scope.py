@@ -245,9 +245,9 @@ _OWN_FORWARD_BASES: dict[type, type] = {}  # and back
 
 
 def _forward_of_our_own(model: nn.Module) -> None:
-    """Give a root whose ``forward`` torch defines (``nn.Sequential``, ``nn.ModuleDict``
-    subclasses' calls...) a subclass of its class whose ``forward`` is defined here and calls
-    it. ``torch.compile`` traces such a module's whole call, hooks included, where it runs
+    """Give a root whose ``forward`` ``torch.nn`` defines (``nn.Sequential``,
+    ``nn.TransformerEncoder``...) a subclass of its class whose ``forward`` is defined here
+    and calls it. ``torch.compile`` traces such a module's whole call, hooks included, where it runs
     the hooks of any other module outside the compiled frame; the scope's pre-hook must run
     there (it pushes the hooks the compiled graphs inline), and traced it broke the graph
     (``fullgraph=True`` failed on a converted ``nn.Sequential``). Same name, state and

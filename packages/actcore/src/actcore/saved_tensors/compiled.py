@@ -153,7 +153,7 @@ def push_owner(hooks: Any) -> None:
         if not _FILTERING["pushed"]:
             _FILTERING["saved"] = functorch_config.saved_tensors_hooks_filtering_mode
             functorch_config.saved_tensors_hooks_filtering_mode = "no_static"
-            partition_pass.install()
+            partition_pass.install(is_own_graph)
         _FILTERING["pushed"] += 1
 
 

@@ -20,6 +20,7 @@ backends (``aot_eager``) run no joint passes: there the partition is as before.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -99,6 +100,8 @@ def recompute_from_saved(graph: torch.fx.Graph) -> int:
     for node in graph.nodes:
         if node in backward or node.op != "call_function" or _op(node) not in _ELEMENTWISE:
             continue
+        if node.meta.get("recompute") is not None:  # (the user's selective checkpointing)
+            continue
         if not read_by_backward(node):
             continue
         inputs = node.all_input_nodes
@@ -109,11 +112,12 @@ def recompute_from_saved(graph: torch.fx.Graph) -> int:
 
 
 def _own_hooks_active() -> bool:
-    from .compiled import is_own_graph
-
+    """Whether the saved-tensor hooks on top (those the graph compiled now inlines) are the
+    ones :func:`install` was told are actcore's."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     hooks = top(True) if top is not None else None
-    return bool(hooks) and is_own_graph(hooks[0])
+    own = _STATE["own"]
+    return bool(hooks) and own is not None and own(hooks[0])
 
 
 def _pass_class() -> type:
@@ -132,13 +136,15 @@ def _pass_class() -> type:
     return RecomputeFromSaved
 
 
-_STATE: dict[str, Any] = {"pass": None, "installed": False, "saved": None}
+_STATE: dict[str, Any] = {"pass": None, "installed": False, "saved": None, "own": None}
 
 
-def install() -> None:
+def install(own_hook: Callable[[Any], bool]) -> None:
     """Add the pass to inductor's ``joint_custom_pre_pass`` (after any set there) when
     inductor's config is loaded (``torch.compile`` loads it) and takes lists of passes.
-    Called (under a lock) when the first converted model's hooks are pushed."""
+    Called (under a lock) when the first converted model's hooks are pushed; ``own_hook``
+    tells whether a pack hook is actcore's (the pass acts under those only)."""
+    _STATE["own"] = own_hook
     config = sys.modules.get("torch._inductor.config")
     if _STATE["installed"] or config is None or not hasattr(config, "joint_custom_pre_pass"):
         return
