@@ -461,11 +461,11 @@ def _two_constants(node: Any, dtype: torch.dtype) -> tuple[float, float] | None:
     return None if a is None or b is None else (a, b)
 
 
-def _read_through_exp(bw_graph: Any, name: str) -> bool:
-    """Whether the backward graph reads its input ``name`` only through ``exp`` of it, less
-    values that do not depend on it (``exp(x - max - log(sum))``: a log-softmax recomputed
-    from its saved logits), or as the output a log-softmax's backward exponentiates."""
-    starts = _placeholders(bw_graph, name)
+def _read_through_exp(starts: list[Any]) -> bool:
+    """Whether the backward graph reads its input ``starts`` (:func:`_placeholders`) only
+    through ``exp`` of it, less values that do not depend on it (``exp(x - max - log(sum))``:
+    a log-softmax recomputed from its saved logits), or as the output a log-softmax's
+    backward exponentiates."""
     return bool(starts) and _only_exponentiated(starts, starts[0], 4)
 
 
@@ -561,11 +561,6 @@ def _uses(starts: list[Any]) -> list[tuple[Any, Any, int, Any]]:
     return found
 
 
-def _consumers(bw_graph: Any, name: str) -> list[tuple[Any, Any, int, Any]]:
-    """:func:`_uses` of the backward graph's input ``name``."""
-    return _uses(_placeholders(bw_graph, name))
-
-
 def _placeholders(bw_graph: Any, name: str) -> list[Any]:
     """The backward graph's input ``name`` (a saved tensor), as a list of at most one node."""
     return [n for n in bw_graph.find_nodes(op="placeholder") if n.name == name]
@@ -620,7 +615,8 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
     values = _two_constants(node, x.dtype)
     if values is not None:
         return Treatment("select", why="one of two constants chosen by a bool", values=values)
-    if _read_through_exp(context["_bw_graph"], node.name):
+    starts = _placeholders(context["_bw_graph"], node.name)  # (the saved tensor in backward)
+    if _read_through_exp(starts):
         bits = max(policy.bits, policy.nonlinear_bits)
         return Treatment("exp", bits, why="read through exp in backward")
     producer, index = _producer(node)
@@ -633,10 +629,9 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
         return Treatment("keep", why="a statistic (made from a reduction)")
     if _softmax_input(node):
         return Treatment("keep", why="a softmax's input (logits)")
-    starts = _placeholders(context["_bw_graph"], node.name)
     if policy.exact_ops and _reached(starts, lambda op, _: op in _PERIODIC):
         return Treatment("keep", why="read through sin or cos in backward")
-    consumers = _consumers(context["_bw_graph"], node.name)
+    consumers = _uses(starts)
     relu = producer in _RELUS
     linear = True
     values_read = False  # whether backward reads the values (not only a ReLU's mask, a shape)
