@@ -389,15 +389,21 @@ class _Wrapped(nn.Module):
         return self.inner(x)
 
 
-def test_a_convolution_input_is_scaled_per_channel(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_a_convolution_input_is_scaled_per_channel(
+    monkeypatch: pytest.MonkeyPatch, layout: torch.memory_format
+) -> None:
     """A convolution's input (NCHW, 12 x 12 pixels a channel: its quantization groups span
-    two channels) is scaled by channel, dim 1: one channel 1000x larger no longer sets the
-    rounding step of its neighbours, whose weight gradients stay close."""
+    two channels; channels last, 16 channels a pixel) is scaled by channel, dim 1: one
+    channel 1000x larger no longer sets the rounding step of its neighbours, whose weight
+    gradients stay close. Unpacking applies the scale by the channel of each element in
+    memory order (``actcore::dequantize_fused``: runs of 144 elements, or of 1)."""
     spy = _Spy(monkeypatch)
     torch.manual_seed(0)
     conv = nn.Conv2d(16, 8, 3, padding=1)
     x = torch.randn(4, 16, 12, 12)
     x[:, 0] *= 1000
+    x = x.contiguous(memory_format=layout)
     exact = torch.autograd.grad(conv(x).square().mean(), conv.weight)[0]
     model = actcore.convert(_Wrapped(copy.deepcopy(conv)), "L3")
     torch._dynamo.reset()
