@@ -230,7 +230,7 @@ def _pack_graph(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) 
     if how.kind == "keep" or (how.bits is None and how.kind not in _ONE_BIT_KINDS):
         return (x,)
     order = _memory_order(x)
-    data = x.permute(order)
+    data = x.permute(order).contiguous()  # (once: the mask and the codes read the same)
     syms, layout = _shape_spec(data.shape)
     parts: dict[str, Tensor] = {}
     extra: Any = None
