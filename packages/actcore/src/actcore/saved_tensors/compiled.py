@@ -303,8 +303,10 @@ def _pack_bool(x: Tensor) -> Tensor:
 
 
 def _unpack_mask(mask: Tensor, numel: int) -> Tensor:
-    # (compared, not viewed as bool: inductor's C++ code cannot vectorize a bool view)
-    return unpack_bits(mask, 1, numel) != 0
+    # (compared, not viewed as bool: inductor's C++ code cannot vectorize a bool view; and
+    # widened first: a select on a uint8 comparison took it 10.3 ms for 3.2M elements, on an
+    # int32 one 0.8 ms)
+    return unpack_bits(mask, 1, numel).to(torch.int32) != 0
 
 
 def _restores_natively(device: torch.device) -> bool:
