@@ -36,7 +36,6 @@
 #include <limits>
 #include <memory>
 #include <mutex>
-#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -61,7 +60,7 @@ namespace actcore_cpu {
 namespace {
 
 // Bumped whenever the registered ops or the C entry points change; loader.py checks it.
-constexpr int kAbiVersion = 6;
+constexpr int kAbiVersion = 5;
 constexpr int64_t kChunk = 1024;           // elements per inner pass (a multiple of 8)
 constexpr int64_t kGrainElements = 1 << 15;  // least work per parallel task
 constexpr uint32_t kMultA = 0x21F0AAADu;
@@ -902,19 +901,6 @@ at::Tensor mask_offsets(const at::Tensor& mc, int64_t numel) {
   return offsets;
 }
 
-// The checks every dequantizing op makes of its packed inputs and output dtype.
-void check_dequantize_inputs(const at::Tensor& payload, const at::Tensor& lo,
-                             const at::Tensor& step, at::ScalarType dtype, int64_t bits,
-                             int64_t group_size, const char* op) {
-  check_cpu(payload, op, "payload");
-  check_cpu(lo, op, "lo");
-  check_cpu(step, op, "step");
-  check_float(dtype, op);
-  check_bits(bits, op);
-  check_group_size(group_size, op);
-  check_packed_dtypes(payload, lo, step, op);
-}
-
 // ---------------------------------------------------------------- the ops
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x, int64_t bits,
                                                             int64_t group_size, bool stochastic,
@@ -951,7 +937,13 @@ at::Tensor dequantize_cpu(const at::Tensor& payload, const at::Tensor& lo, const
                           int64_t bits, int64_t group_size, at::IntArrayRef shape,
                           at::ScalarType dtype, bool per_sample) {
   constexpr const char* op = "actcore::dequantize";
-  check_dequantize_inputs(payload, lo, step, dtype, bits, group_size, op);
+  check_cpu(payload, op, "payload");
+  check_cpu(lo, op, "lo");
+  check_cpu(step, op, "step");
+  check_float(dtype, op);
+  check_bits(bits, op);
+  check_group_size(group_size, op);
+  check_packed_dtypes(payload, lo, step, op);
   at::Tensor out = at::empty(shape, payload.options().dtype(dtype));
   const auto [rows, cols] = rows_and_cols(shape, per_sample);
   if (rows * cols == 0) return out;
@@ -1046,8 +1038,14 @@ at::Tensor masked_dequantize_cpu(const at::Tensor& payload, const at::Tensor& lo
                                  const at::Tensor& step, const at::Tensor& mask, int64_t bits,
                                  int64_t group_size, at::IntArrayRef shape, at::ScalarType dtype) {
   constexpr const char* op = "actcore::masked_dequantize";
-  check_dequantize_inputs(payload, lo, step, dtype, bits, group_size, op);
+  check_cpu(payload, op, "payload");
+  check_cpu(lo, op, "lo");
+  check_cpu(step, op, "step");
   check_cpu(mask, op, "mask");
+  check_float(dtype, op);
+  check_bits(bits, op);
+  check_group_size(group_size, op);
+  check_packed_dtypes(payload, lo, step, op);
   at::Tensor out = at::empty(shape, payload.options().dtype(dtype));
   const int64_t numel = out.numel();
   check_mask(mask, numel, op);
@@ -1230,191 +1228,8 @@ at::Tensor relu_mask_cpu(const at::Tensor& x) {
   return out;
 }
 
-// ---------------------------------------------------------------- dequantize_fused
-// What a restored activation takes after its dequantization (ops.masked's
-// dequantize_fused_reference): each element times its channel's scale, the channel of flat
-// element i being (i / inner) % channels (a power of two, so the product is exact), then, under
-// a ReLU mask, max(value, floor) where the mask is set (NaN stays) and +0 elsewhere. Both in
-// the output dtype, as the reference's tensor ops compute them.
-template <typename scalar_t>
-struct FusedArgs {
-  const scalar_t* scale;  // null: no scale
-  int64_t channels;
-  int64_t inner;
-  const uint8_t* mask;  // null: no mask
-  scalar_t floor;
-};
-
-template <typename scalar_t>
-ACTCORE_INLINE scalar_t times(scalar_t v, scalar_t s) {
-  return static_cast<scalar_t>(v * s);  // (Half / BFloat16: in float, rounded back, as torch)
-}
-
-// Elements [i0, i1) of `out` times their channels' scales, a run of one channel at a time
-// (channels innermost, inner == 1: a row of all channels at a time).
-template <typename scalar_t>
-ACTCORE_INLINE void scale_range(scalar_t* out, const FusedArgs<scalar_t>& f, int64_t i0,
-                                int64_t i1) {
-  const scalar_t* s = f.scale;
-  if (f.inner == 1) {
-    for (int64_t i = i0; i < i1;) {
-      const int64_t c0 = i % f.channels;
-      const int64_t n = std::min(i1 - i, f.channels - c0);
-      scalar_t* o = out + i;
-      for (int64_t k = 0; k < n; ++k) o[k] = times(o[k], s[c0 + k]);
-      i += n;
-    }
-    return;
-  }
-  for (int64_t i = i0; i < i1;) {
-    const int64_t run = i / f.inner;
-    const int64_t n = std::min(i1, (run + 1) * f.inner) - i;
-    const scalar_t sc = s[run % f.channels];
-    scalar_t* o = out + i;
-    for (int64_t k = 0; k < n; ++k) o[k] = times(o[k], sc);
-    i += n;
-  }
-}
-
-template <typename scalar_t>
-ACTCORE_INLINE scalar_t floored(scalar_t v, scalar_t floor) {
-  return (v != v || v > floor) ? v : floor;  // clamp_min: NaN stays
-}
-
-// Elements [i0, i1) (i0 a multiple of 8) kept where the mask is set, at least `floor`, +0
-// elsewhere.
-template <typename scalar_t>
-ACTCORE_INLINE void mask_range(scalar_t* out, const FusedArgs<scalar_t>& f, int64_t i0,
-                               int64_t i1) {
-  for (int64_t i = i0; i < i1; ++i) {
-    const bool set = (f.mask[i >> 3] >> (i & 7)) & 1;
-    out[i] = set ? floored(out[i], f.floor) : scalar_t(0);
-  }
-}
-
-#if ACTCORE_X86
-// The float32 case, 8 elements (one mask byte) per step: max(floor, v) returns v where v is
-// NaN (MAXPS gives its second operand then), and the byte's lanes select it or +0.
-ACTCORE_AVX2 void avx2_mask_range_float(float* out, const FusedArgs<float>& f, int64_t i0,
-                                        int64_t i1) {
-  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-  const __m256 floor = _mm256_set1_ps(f.floor);
-  int64_t i = i0;
-  for (; i + 8 <= i1; i += 8) {
-    const int byte = f.mask[i >> 3];
-    const __m256i set =
-        _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(byte), lane_bit), lane_bit);
-    const __m256 v = _mm256_max_ps(floor, _mm256_loadu_ps(out + i));
-    _mm256_storeu_ps(out + i, _mm256_and_ps(v, _mm256_castsi256_ps(set)));
-  }
-  mask_range<float>(out, f, i, i1);
-}
-#endif
-
-// Groups [g0, g1) of dequantize_fused: dequantized, then scaled and masked while they are in
-// cache, kFusedGroups groups at a time.
-constexpr int64_t kFusedElements = 1 << 14;
-
-template <typename scalar_t>
-void dequantize_fused_parallel(const DequantizeArgs& a, const FusedArgs<scalar_t>& f) {
-  const int64_t groups = a.rows * ((a.cols + a.group_size - 1) / a.group_size);
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / a.group_size);
-  const int64_t step = std::max<int64_t>(1, kFusedElements / a.group_size);
-  const int64_t numel = a.rows * a.cols;
-  const bool avx2 = has_avx2();
-  auto* out = static_cast<scalar_t*>(a.out);
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; g += step) {
-      const int64_t ge = std::min(g1, g + step);
-#if ACTCORE_X86
-      if (avx2) {
-        avx2_dequantize<scalar_t>(a, g, ge);
-      } else {
-        base_dequantize<scalar_t>(a, g, ge);
-      }
-#else
-      base_dequantize<scalar_t>(a, g, ge);
-#endif
-      const int64_t i0 = g * a.group_size;
-      const int64_t i1 = std::min(numel, ge * a.group_size);
-      if (f.scale != nullptr) scale_range<scalar_t>(out, f, i0, i1);
-      if (f.mask == nullptr) continue;
-#if ACTCORE_X86
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        if (avx2) {
-          avx2_mask_range_float(out, f, i0, i1);
-          continue;
-        }
-      }
-#endif
-      mask_range<scalar_t>(out, f, i0, i1);
-    }
-  });
-}
-
-at::Tensor dequantize_fused_cpu(const at::Tensor& payload, const at::Tensor& lo,
-                                const at::Tensor& step, const std::optional<at::Tensor>& scale,
-                                int64_t inner, const std::optional<at::Tensor>& mask,
-                                double floor, int64_t bits, int64_t group_size,
-                                at::IntArrayRef shape, at::ScalarType dtype) {
-  constexpr const char* op = "actcore::dequantize_fused";
-  check_dequantize_inputs(payload, lo, step, dtype, bits, group_size, op);
-  at::Tensor out = at::empty(shape, payload.options().dtype(dtype));
-  const int64_t numel = out.numel();
-  at::Tensor scale_c;
-  int64_t channels = 0;
-  if (scale.has_value()) {
-    check_cpu(*scale, op, "scale");
-    TORCH_CHECK(scale->scalar_type() == dtype, op, ": scale must be of the output dtype ",
-                dtype, ", got ", scale->scalar_type());
-    channels = scale->numel();
-    TORCH_CHECK(channels > 0 && inner > 0 && numel % (channels * inner) == 0, op,
-                ": ", numel, " elements are not whole runs of ", channels, " channels of ",
-                inner, " (inner) elements");
-    scale_c = scale->contiguous();
-  }
-  at::Tensor mask_c;
-  if (mask.has_value()) {
-    check_cpu(*mask, op, "mask");
-    check_mask(*mask, numel, op);
-    mask_c = mask->contiguous();
-  }
-  if (numel == 0) return out;
-  check_packed_shapes(payload, lo, step, 1, numel, group_size, bits, op);
-  const at::Tensor pc = payload.contiguous();
-  const at::Tensor lc = lo.contiguous();
-  const at::Tensor sc = step.contiguous();
-  const DequantizeArgs args = dequantize_args(pc, lc, sc, out, 1, numel, group_size, bits);
-  const uint8_t* bits_of = mask.has_value() ? mask_c.const_data_ptr<uint8_t>() : nullptr;
-  auto run = [&](auto zero) {
-    using scalar_t = decltype(zero);
-    const scalar_t* s =
-        scale.has_value() ? static_cast<const scalar_t*>(scale_c.const_data_ptr()) : nullptr;
-    const FusedArgs<scalar_t> f{s, channels, inner, bits_of, static_cast<scalar_t>(floor)};
-    dequantize_fused_parallel<scalar_t>(args, f);
-  };
-  switch (dtype) {
-    case at::kFloat:
-      run(float{});
-      break;
-    case at::kHalf:
-      run(c10::Half{});
-      break;
-    case at::kBFloat16:
-      run(c10::BFloat16{});
-      break;
-    default:
-      run(double{});
-      break;
-  }
-  return out;
-}
-
 // The CPU-only ops (CUDA runs their references, made of the other ops).
-void register_cpu_only(torch::Library& lib) {
-  lib.impl("relu_mask", TORCH_FN(relu_mask_cpu));
-  lib.impl("dequantize_fused", TORCH_FN(dequantize_fused_cpu));
-}
+void register_cpu_only(torch::Library& lib) { lib.impl("relu_mask", TORCH_FN(relu_mask_cpu)); }
 
 actcore_registration::Registration<quantize_cpu, dequantize_cpu, pack_bits_cpu, unpack_bits_cpu,
                                    hash_uniform_cpu, masked_quantize_cpu, masked_dequantize_cpu,

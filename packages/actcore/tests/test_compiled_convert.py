@@ -396,8 +396,7 @@ def test_a_convolution_input_is_scaled_per_channel(
     """A convolution's input (NCHW, 12 x 12 pixels a channel: its quantization groups span
     two channels; channels last, 16 channels a pixel) is scaled by channel, dim 1: one
     channel 1000x larger no longer sets the rounding step of its neighbours, whose weight
-    gradients stay close. Unpacking applies the scale by the channel of each element in
-    memory order (``actcore::dequantize_fused``: runs of 144 elements, or of 1)."""
+    gradients stay close (the scale broadcast along the channels' dim in memory order)."""
     spy = _Spy(monkeypatch)
     torch.manual_seed(0)
     conv = nn.Conv2d(16, 8, 3, padding=1)

@@ -455,32 +455,3 @@ def test_what_backward_exponentiates_is_kept_as_its_exponential(
     single = errors.flatten(1).norm(dim=1).square().mean().sqrt()  # one draw's error
     assert 0 < single < 0.3 * exact.norm()
     assert errors.mean(0).norm() < 3 * single / len(draws) ** 0.5
-
-
-@pytest.mark.parametrize("kind", ["quantize", "relu"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_native_restore_equals_the_tensor_ops_inductor_fuses_on_a_gpu(
-    monkeypatch: pytest.MonkeyPatch, kind: str, dtype: torch.dtype
-) -> None:
-    """Unpacking on a CPU applies the channel scale and the ReLU mask in the native pass
-    (``actcore::dequantize_fused``); elsewhere in tensor ops. Both restore the same tensor,
-    bit for bit: a ReLU output (channels last, one channel 1000x larger) as values scaled
-    by channel and its mask's zeros."""
-    from actcore.saved_tensors.graph_treatment import GraphPolicy, Treatment
-
-    torch.manual_seed(0)
-    x = torch.relu(torch.randn(4, 16, 12, 12)).to(memory_format=torch.channels_last)
-    x[:, 0] *= 1000
-    x = x.to(dtype)
-    policy = GraphPolicy(bits=2)
-    how = Treatment(kind, 2, why="test", channel_dim=1)
-    monkeypatch.setattr(compiled, "treatment", lambda x, policy, context: how)
-    packed = compiled._pack_graph(x, policy, None)
-    names = packed[-1][5]
-    assert ("scale" in names) == (kind == "quantize") and ("mask" in names) == (kind == "relu")
-    native = compiled._unpack_graph(packed, policy)
-    monkeypatch.setattr(compiled, "_restores_natively", lambda device: False)
-    composed = compiled._unpack_graph(packed, policy)
-    assert native.stride() == composed.stride() == x.stride()
-    assert torch.equal(native, composed)
-    assert torch.equal(native == 0, x == 0) if kind == "relu" else native.shape == x.shape

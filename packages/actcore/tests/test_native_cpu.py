@@ -257,56 +257,6 @@ def test_relu_mask_is_the_reference_bit_for_bit(native_cpu, dtype):
     assert torch.equal(ops.unpack_mask(ops.relu_mask(x), x.shape), ~(x <= 0))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_dequantize_fused_is_the_reference_bit_for_bit(native_cpu, dtype):
-    """dequantize, channel scale and ReLU mask in one pass equal the three tensor ops: channels
-    outermost, innermost (inner 1) and in between, no scale or no mask, NaN groups, zeros
-    kept +0, lengths around a mask byte's, a vector's and the fused span's end."""
-    special = torch.tensor([float("nan"), -0.0, 0.0, 1e-30, -1e-30, 3.0, -2.0, 0.5])
-    floor = masked.kept_floor(dtype)
-    cases = [((2, 5, 3, 8), 5, 24), ((4, 7, 7, 64), 64, 1), ((3, 11), 11, 1), ((9,), 3, 3)]
-    cases += [((n,), 1, n) for n in (1, 63, 65, 20001)] + [((2, 6, 5, 5), 6, 25), ((0, 4), 4, 1)]
-    g = torch.Generator().manual_seed(7)
-    for shape, channels, inner in cases:
-        x = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-        flat = x.view(-1)
-        flat[: min(8, flat.numel())] = special[: min(8, flat.numel())].to(dtype)
-        exponents = torch.randint(-3, 4, (channels,), generator=g).double()
-        scale = torch.exp2(exponents).to(dtype)
-        mask = ops.relu_mask(x)
-        for bits in (1, 2, 4, 8):
-            for group_size in (8, 256):
-                payload, lo, step = library.quantize(flat, bits, group_size, True, 3, False)
-                for sc in (None, scale):
-                    for m in (None, mask):
-                        args = (payload, lo, step, sc, inner, m, floor, bits, group_size)
-                        args += (list(shape), dtype)
-                        got = library.dequantize_fused(*args)
-                        want = library._dequantize_fused_reference(*args)
-                        what = f"{shape} bits={bits} G={group_size} {sc is None} {m is None}"
-                        assert_same(got, want, what)
-                        zeros = (got == 0) & (want == 0)
-                        assert torch.equal(got.signbit()[zeros], want.signbit()[zeros]), what
-
-
-def test_dequantize_fused_errors_name_the_bad_value(native_cpu):
-    x = torch.randn(4, 8)
-    payload, lo, step = library.quantize(x, 2, 8, False, 0, False)
-    mask = ops.relu_mask(x)
-    with pytest.raises(RuntimeError, match="scale must be of the output dtype Float, got Half"):
-        library.dequantize_fused(
-            payload, lo, step, torch.ones(8).half(), 1, mask, 0.0, 2, 8, [32], torch.float32
-        )
-    with pytest.raises(RuntimeError, match="32 elements are not whole runs of 3 channels of 1"):
-        library.dequantize_fused(
-            payload, lo, step, torch.ones(3), 1, None, 0.0, 2, 8, [32], torch.float32
-        )
-    with pytest.raises(RuntimeError, match="over 32 elements takes 4 bytes, got 3"):
-        library.dequantize_fused(
-            payload, lo, step, None, 1, mask[:3], 0.0, 2, 8, [32], torch.float32
-        )
-
-
 # ------------------------------------------------------------------------------ opcheck
 @pytest.mark.parametrize("case", range(OPCHECK_CASES))
 def test_opcheck_with_the_cpu_kernels(native_cpu, case):

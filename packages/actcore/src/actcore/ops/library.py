@@ -10,7 +10,6 @@ The ops take already-validated arguments; :mod:`actcore.ops.api` is the checked 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +34,6 @@ from .quantization import (
 __all__ = [
     "apply_mask",
     "dequantize",
-    "dequantize_fused",
     "hash_uniform",
     "masked_dequantize",
     "masked_quantize",
@@ -212,58 +210,3 @@ def relu_mask(x: torch.Tensor) -> torch.Tensor:
 @relu_mask.register_fake
 def _relu_mask_fake(x):
     return x.new_empty((packed_nbytes(x.numel(), 1),), dtype=torch.uint8)
-
-
-def _dequantize_fused_reference(
-    payload: torch.Tensor,
-    lo: torch.Tensor,
-    step: torch.Tensor,
-    scale: torch.Tensor | None,
-    inner: int,
-    mask: torch.Tensor | None,
-    floor: float,
-    bits: int,
-    group_size: int,
-    shape: Sequence[int],
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    numel = math.prod(shape)
-    values = dequantize(payload, lo, step, bits, group_size, [numel], dtype, False)
-    if scale is not None:
-        channels = scale.numel()
-        values = (values.view(-1, channels, inner) * scale.reshape(1, channels, 1)).view(-1)
-    if mask is not None:
-        keep = unpack_bits(mask.reshape(-1), 1, numel) != 0
-        zero = torch.zeros((), dtype=dtype, device=values.device)
-        values = torch.where(keep, values.clamp_min(floor), zero)
-    return values.view(tuple(shape))
-
-
-@torch.library.custom_op("actcore::dequantize_fused", mutates_args=())
-def dequantize_fused(
-    payload: torch.Tensor,
-    lo: torch.Tensor,
-    step: torch.Tensor,
-    scale: torch.Tensor | None,
-    inner: int,
-    mask: torch.Tensor | None,
-    floor: float,
-    bits: int,
-    group_size: int,
-    shape: Sequence[int],
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """``dequantize`` (one row, flat) with what a restored activation takes next, in one pass:
-    times ``scale[(i // inner) % scale.numel()]`` (the channel scale, of ``dtype``) when
-    ``scale`` is given, then, under a packed 1-bit ``mask`` (a ReLU's), ``max(value, floor)``
-    where it is set (NaN stays) and +0 elsewhere; ``floor`` must be exact in ``dtype``.
-    Returns a tensor of ``shape`` and ``dtype``."""
-    args = (payload, lo, step, scale, inner, mask, floor, bits, group_size, shape, dtype)
-    return _dispatch("dequantize_fused", payload, _dequantize_fused_reference, *args)
-
-
-@dequantize_fused.register_fake
-def _dequantize_fused_fake(
-    payload, lo, step, scale, inner, mask, floor, bits, group_size, shape, dtype
-):
-    return payload.new_empty(tuple(shape), dtype=dtype)

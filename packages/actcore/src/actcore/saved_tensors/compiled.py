@@ -4,10 +4,9 @@ PyTorch inlines saved-tensor hooks that are fx graphs into the graphs it compile
 graph into the forward graph's epilogue, once per saved intermediate, and the unpack graph
 into the backward graph's prologue (``torch._functorch``'s saved-tensor-hook inlining; the
 compiled runtime then saves the packed tensors with the hooks off). The quantization and
-the mask are the native kernels, called from the graph as opaque ops (unpacking applies a
-channel scale and a ReLU mask in the same pass, ``actcore::dequantize_fused``); inductor
-fuses the rest of each pack and unpack (the scales' reductions, divisions) with the ops
-around them (C++ on CPU, Triton on CUDA), and nothing breaks the graph.
+the mask are the native kernels, called from the graph as opaque ops; inductor fuses the
+rest of each pack and unpack (channel scales, selects) with the ops around them (C++ on
+CPU, Triton on CUDA), and nothing breaks the graph.
 
 :class:`~actcore.saved_tensors.hooks.SavedTensorHooks` therefore pushes a pair of
 :class:`SavedHooksGraph` (one pair per :class:`GraphPolicy`, cached: PyTorch guards a compiled
@@ -74,7 +73,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ops.library import dequantize, dequantize_fused, pack_bits, relu_mask, unpack_bits
+from ..ops.library import dequantize, pack_bits, relu_mask, unpack_bits
 from ..ops.masked import kept_floor
 from ..ops.seeds import quantize_fresh
 from . import partition_pass
@@ -258,7 +257,6 @@ def _pack_graph(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) 
         if how.kind == "quantize" and _groups_mix_channels(data, channels, policy.group_size):
             parts["scale"] = _channel_scale(data, channels)
             data = data / parts["scale"]
-            extra = channels  # (where unpacking finds the channel of an element)
         parts["payload"], parts["lo"], parts["step"] = _quantize(data, how.bits, policy.group_size)
     names = tuple(parts)
     meta = (how.kind, how.bits, layout, x.dtype, order, names, extra)
@@ -309,13 +307,6 @@ def _unpack_mask(mask: Tensor, numel: int) -> Tensor:
     return unpack_bits(mask, 1, numel).to(torch.int32) != 0
 
 
-def _restores_natively(device: torch.device) -> bool:
-    """Whether unpacking on ``device`` applies a channel scale and a ReLU mask in the native
-    pass (``actcore::dequantize_fused``, a CPU kernel) rather than in tensor ops for
-    inductor to fuse (its Triton kernels do that well; its C++ select on a mask does not)."""
-    return device.type == "cpu"
-
-
 def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
     if len(packed) == 1:
         return packed[0]
@@ -335,34 +326,19 @@ def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
         chosen = torch.where(_unpack_mask(parts["mask"], numel), where_set, elsewhere)
         return chosen.view(shape).permute(inverse)
     if kind == "mask":  # kept_floor where the ReLU's output was not <= 0: all its backward
-        # reads (a product with the bits, exact: a select on them is a slow loop in inductor's
-        # C++ code)
-        return (
-            (unpack_bits(parts["mask"], 1, numel).to(dtype) * kept_floor(dtype))
-            .view(shape)
-            .permute(inverse)
-        )
-    payload, lo, step = parts["payload"], parts["lo"], parts["step"]
+        # reads (the bits times kept_floor: exact, and one product where a select took two)
+        kept = unpack_bits(parts["mask"], 1, numel).to(dtype) * kept_floor(dtype)
+        return kept.view(shape).permute(inverse)
+    values = _dequantize(
+        parts["payload"], parts["lo"], parts["step"], bits, policy.group_size, numel, dtype
+    ).view(shape)
     if kind == "exp":  # the log of the restored exp(x - shift) (>= 0: never NaN), shifted back
-        values = _dequantize(payload, lo, step, bits, policy.group_size, numel, dtype)
-        return (torch.log(values.view(shape).clamp_min(0)) + parts["shift"]).permute(inverse)
-    scale, mask = parts.get("scale"), parts["mask"] if kind == "relu" else None
-    floor = kept_floor(dtype)  # (a restored ReLU output's least kept value: positive)
-    if (scale is not None or mask is not None) and _restores_natively(payload.device):
-        # one native pass: the channel scale, the ReLU's zeros exactly, the rest >= floor
-        inner = math.prod(shape[extra + 1 :]) if scale is not None else 1
-        flat_scale = None if scale is None else scale.reshape(-1)
-        values = dequantize_fused(
-            payload, lo, step, flat_scale, inner, mask, floor, bits, policy.group_size,
-            shape, dtype,
-        )  # fmt: skip
-    else:  # the same in tensor ops, which inductor fuses into its Triton kernels on a GPU
-        values = _dequantize(payload, lo, step, bits, policy.group_size, numel, dtype).view(shape)
-        if scale is not None:
-            values = values * scale
-        if mask is not None:
-            keep = _unpack_mask(mask, numel).view(shape)
-            values = torch.where(keep, values.clamp_min(floor), torch.zeros_like(values))
+        return (torch.log(values.clamp_min(0)) + parts["shift"]).permute(inverse)
+    if "scale" in parts:
+        values = values * parts["scale"]
+    if kind == "relu":  # the ReLU's zeros exactly, the rest at least kept_floor (positive)
+        keep = _unpack_mask(parts["mask"], numel).view(shape)
+        values = torch.where(keep, values.clamp_min(kept_floor(dtype)), torch.zeros_like(values))
     if "exact" in parts:  # the exact features and their index (the last dim, in memory order)
         last = order.index(len(order) - 1)
         values = values.index_copy(last, parts["index"], parts["exact"])
