@@ -290,14 +290,15 @@ def _channel_scale(data: Tensor, dim: int) -> Tensor:
 
 
 def _pack_mask(x: Tensor) -> Tensor:
-    """Where ``x`` (a ReLU's output) is not ``<= 0``, 1 bit per element in memory order:
-    where the ReLU's backward passes the gradient (``actcore::relu_mask``, one native pass)."""
-    return relu_mask(x.contiguous())
+    """Where ``x`` (a ReLU's output, contiguous in its memory order) is not ``<= 0``, 1 bit
+    per element: where the ReLU's backward passes the gradient (``actcore::relu_mask``, one
+    native pass)."""
+    return relu_mask(x)
 
 
 def _pack_bool(x: Tensor) -> Tensor:
-    """A bool tensor's elements in memory order, 1 bit each."""
-    return pack_bits(x.contiguous().reshape(-1).to(torch.uint8), 1)
+    """A bool tensor's elements (contiguous in its memory order), 1 bit each."""
+    return pack_bits(x.reshape(-1).to(torch.uint8), 1)
 
 
 def _unpack_mask(mask: Tensor, numel: int) -> Tensor:
