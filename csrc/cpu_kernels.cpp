@@ -13,10 +13,11 @@
 // codes go through a small buffer, 8 at a time into bit planes (one 64-bit multiply per
 // plane; back through a 256-entry table), the bit count a template argument. The masked ops
 // move a mask byte's float32 values with one AVX2 permute (a left-pack on the way in, its
-// inverse on the way out) instead of one bit at a time. Work is split
-// over groups with at::parallel_for. On x86-64 the loops are compiled twice, for the
-// baseline ISA and for AVX2, and the variant is picked at run time, so a cached library
-// runs on any x86-64 CPU.
+// inverse on the way out) instead of one bit at a time. Work is split over groups with
+// at::parallel_for. On x86-64 the loops are compiled three times, for the baseline ISA, for
+// AVX2 and for AVX-512 (float32 16 lanes at a time: min/max, codes, bit planes by mask
+// tests, compress and expand for the masked ops), and the variant is picked at run time
+// (actcore_cpu_limit_isa caps it), so a cached library runs on any x86-64 CPU.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -44,6 +45,7 @@
 #include <immintrin.h>
 #define ACTCORE_X86 1
 #define ACTCORE_AVX2 __attribute__((target("avx2")))
+#define ACTCORE_AVX512 __attribute__((target("avx2,avx512f,avx512bw,avx512vl,avx512dq")))
 #else
 #define ACTCORE_X86 0
 #endif
@@ -60,21 +62,35 @@ namespace actcore_cpu {
 namespace {
 
 // Bumped whenever the registered ops or the C entry points change; loader.py checks it.
-constexpr int kAbiVersion = 5;
+constexpr int kAbiVersion = 6;
 constexpr int64_t kChunk = 1024;           // elements per inner pass (a multiple of 8)
 constexpr int64_t kGrainElements = 1 << 15;  // least work per parallel task
 constexpr uint32_t kMultA = 0x21F0AAADu;
 constexpr uint32_t kMultB = 0x735A2D97u;
 constexpr uint64_t kLowBits = 0x0101010101010101ull;
 
-bool has_avx2() {
+// The instruction sets the hot loops have variants for, in order.
+enum Isa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+
+int supported_isa() {
 #if ACTCORE_X86
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
+  static const int best =
+      (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+          ? kAvx512
+          : (__builtin_cpu_supports("avx2") ? kAvx2 : kBaseline);
+  return best;
 #else
-  return false;
+  return kBaseline;
 #endif
 }
+
+// The highest variant allowed (actcore_cpu_limit_isa: the tests run each one the CPU has).
+std::atomic<int> isa_limit{kAvx512};
+
+// The variant the loops run: the best this CPU has, within the limit.
+int isa() { return std::min(supported_isa(), isa_limit.load(std::memory_order_relaxed)); }
+bool has_avx2() { return isa() >= kAvx2; }
 
 // ---------------------------------------------------------------- noise (noise.py)
 ACTCORE_INLINE uint32_t mix_tail(uint32_t x) {
@@ -263,18 +279,36 @@ struct Acc<double> {
 
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef double f64x4 __attribute__((vector_size(32)));
-template <typename T>
-struct Vec;
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef uint8_t u8x4 __attribute__((vector_size(4)));
+
+// A vector of `kBytes` bytes of T, and the uint32, int32 and uint8 vectors of as many lanes
+// (32 bytes: the baseline and AVX2 variants; AVX-512 has loops of its own).
+template <typename T, int kBytes>
+struct Simd;
 template <>
-struct Vec<float> {
-  using type = f32x8;
+struct Simd<float, 32> {
+  using V = f32x8;
+  using U = u32x8;
+  using I = i32x8;
+  using B = u8x8;
 };
 template <>
-struct Vec<double> {
-  using type = f64x4;
+struct Simd<double, 32> {
+  using V = f64x4;
+  using U = u32x4;
+  using I = i32x4;
+  using B = u8x4;
 };
 
-// NaN-propagating min/max (a NaN anywhere wins, as torch's amin/amax).
+// NaN-propagating min/max (a NaN anywhere wins, as torch's amin/amax), of scalars and lane
+// by lane.
 template <typename T>
 ACTCORE_INLINE T min_nan(T a, T b) {
   return (b < a || b != b) ? b : a;
@@ -283,17 +317,77 @@ template <typename T>
 ACTCORE_INLINE T max_nan(T a, T b) {
   return (b > a || b != b) ? b : a;
 }
+template <bool kMax, typename V>
+ACTCORE_INLINE V lanes_min_or_max(V a, V b) {
+  if constexpr (kMax) {
+    return ((b > a) | (b != b)) ? b : a;
+  } else {
+    return ((b < a) | (b != b)) ? b : a;
+  }
+}
 
-template <typename T>
+// The min (max) of a vector's lanes: its halves against each other until one lane is left,
+// a few shuffles and no branch (a scalar pass over the lanes mispredicts its compares).
+template <bool kMax>
+ACTCORE_INLINE float reduce_lanes(f32x8 v) {
+  v = lanes_min_or_max<kMax>(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = lanes_min_or_max<kMax>(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+  v = lanes_min_or_max<kMax>(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+  return v[0];
+}
+template <bool kMax>
+ACTCORE_INLINE double reduce_lanes(f64x4 v) {
+  v = lanes_min_or_max<kMax>(v, __builtin_shufflevector(v, v, 2, 3, 0, 1));
+  v = lanes_min_or_max<kMax>(v, __builtin_shufflevector(v, v, 1, 0, 3, 2));
+  return v[0];
+}
+
+#if ACTCORE_X86
+// AVX-512, float32: min_max and codes_of 16 lanes at a time. They are written in intrinsics
+// (GCC lowers a select of 64-byte generic vectors lane by lane) and called, not inlined (a
+// function of another target cannot be inlined into the generic templates that call them).
+// vminps/vmaxps return their second operand where either is NaN: min_max tracks NaN in a
+// mask of its own, and a group that has one gets a NaN min and max.
+ACTCORE_AVX512 void min_max_avx512(const float* p, int64_t n, float& mn, float& mx) {
+  __m512 vmn = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  __m512 vmx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(p + i);
+    vmn = _mm512_min_ps(v, vmn);
+    vmx = _mm512_max_ps(v, vmx);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  }
+  if (nan != 0) {
+    mn = mx = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  mn = min_nan(mn, _mm512_reduce_min_ps(vmn));
+  mx = max_nan(mx, _mm512_reduce_max_ps(vmx));
+  for (; i < n; ++i) {
+    mn = min_nan(mn, p[i]);
+    mx = max_nan(mx, p[i]);
+  }
+}
+
+#endif
+
+// floor's argument clamped to [0, levels], NaN -> 0, a vector at a time.
+template <typename V>
+ACTCORE_INLINE V clamp_code(V t, V levels) {
+  const V zero = V{};
+  return t >= levels ? levels : (t >= zero ? t : zero);
+}
+
+// Folds the min and max of p[0, n) into mn and mx, `kBytes` at a time.
+template <int kBytes, typename T>
 ACTCORE_INLINE void min_max(const T* p, int64_t n, T& mn, T& mx) {
-  using V = typename Vec<T>::type;
+  using V = typename Simd<T, kBytes>::V;
   constexpr int kWidth = sizeof(V) / sizeof(T);
   const T inf = std::numeric_limits<T>::infinity();
-  V vmn, vmx;
-  for (int l = 0; l < kWidth; ++l) {
-    vmn[l] = inf;
-    vmx[l] = -inf;
-  }
+  V vmn = V{} + inf;
+  V vmx = V{} - inf;
   V vmn2 = vmn;  // two accumulators each: the compare-and-blend chains run side by side
   V vmx2 = vmx;
   int64_t i = 0;
@@ -302,24 +396,19 @@ ACTCORE_INLINE void min_max(const T* p, int64_t n, T& mn, T& mx) {
     V w;
     std::memcpy(&v, p + i, sizeof(V));
     std::memcpy(&w, p + i + kWidth, sizeof(V));
-    const auto nan_v = v != v;
-    const auto nan_w = w != w;
-    vmn = ((v < vmn) | nan_v) ? v : vmn;
-    vmx = ((v > vmx) | nan_v) ? v : vmx;
-    vmn2 = ((w < vmn2) | nan_w) ? w : vmn2;
-    vmx2 = ((w > vmx2) | nan_w) ? w : vmx2;
+    vmn = lanes_min_or_max<false>(vmn, v);
+    vmx = lanes_min_or_max<true>(vmx, v);
+    vmn2 = lanes_min_or_max<false>(vmn2, w);
+    vmx2 = lanes_min_or_max<true>(vmx2, w);
   }
   for (; i + kWidth <= n; i += kWidth) {
     V v;
     std::memcpy(&v, p + i, sizeof(V));
-    const auto nan = v != v;
-    vmn = ((v < vmn) | nan) ? v : vmn;
-    vmx = ((v > vmx) | nan) ? v : vmx;
+    vmn = lanes_min_or_max<false>(vmn, v);
+    vmx = lanes_min_or_max<true>(vmx, v);
   }
-  for (int l = 0; l < kWidth; ++l) {
-    mn = min_nan(min_nan(mn, vmn[l]), vmn2[l]);
-    mx = max_nan(max_nan(mx, vmx[l]), vmx2[l]);
-  }
+  mn = min_nan(mn, reduce_lanes<false>(lanes_min_or_max<false>(vmn, vmn2)));
+  mx = max_nan(mx, reduce_lanes<true>(lanes_min_or_max<true>(vmx, vmx2)));
   for (; i < n; ++i) {
     mn = min_nan(mn, p[i]);
     mx = max_nan(mx, p[i]);
@@ -346,15 +435,6 @@ ACTCORE_INLINE uint8_t to_code(acc_t t, acc_t levels) {
   return static_cast<uint8_t>(static_cast<int32_t>(c));
 }
 
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-typedef uint32_t u32x4 __attribute__((vector_size(16)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef int32_t i32x4 __attribute__((vector_size(16)));
-typedef uint8_t u8x8 __attribute__((vector_size(8)));
-typedef uint8_t u8x4 __attribute__((vector_size(4)));
-typedef uint8_t u8x32 __attribute__((vector_size(32)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-
 // The low byte of each int32 lane, in lane order: one byte shuffle (a lane-wise conversion
 // to uint8 compiles to a scalar extract per lane).
 ACTCORE_INLINE u8x8 low_bytes(i32x8 v) {
@@ -365,39 +445,23 @@ ACTCORE_INLINE u8x4 low_bytes(i32x4 v) {
   const u8x16 b = (u8x16)v;
   return __builtin_shufflevector(b, b, 0, 4, 8, 12);
 }
-template <typename acc_t>
-struct Lanes;  // per 32-byte vector of acc_t: its index, int32 and uint8 vectors
-template <>
-struct Lanes<float> {
-  using U = u32x8;
-  using I = i32x8;
-  using B = u8x8;
-};
-template <>
-struct Lanes<double> {
-  using U = u32x4;
-  using I = i32x4;
-  using B = u8x4;
-};
-
 // Codes of m elements: floor((v - lo) / step + u) with u the noise of the element's flat
 // index (`stochastic`; the m indices lie in one block of 2**32, `index` the low word of
 // the first, `key` the block's key) or 0.5. The same operations as the scalar tail, a
 // vector of acc_t at a time.
-template <typename acc_t, bool stochastic>
+template <int kBytes, typename acc_t, bool stochastic>
 ACTCORE_INLINE void codes_of(const acc_t* v, int64_t m, acc_t lo, acc_t step, acc_t levels,
                              uint32_t index, uint32_t key, uint8_t* codes) {
-  using V = typename Vec<acc_t>::type;
-  using U = typename Lanes<acc_t>::U;
-  using I = typename Lanes<acc_t>::I;
-  using B = typename Lanes<acc_t>::B;
+  using V = typename Simd<acc_t, kBytes>::V;
+  using U = typename Simd<acc_t, kBytes>::U;
+  using I = typename Simd<acc_t, kBytes>::I;
+  using B = typename Simd<acc_t, kBytes>::B;
   constexpr int kWidth = sizeof(V) / sizeof(acc_t);
   U lane;
   for (int l = 0; l < kWidth; ++l) lane[l] = static_cast<uint32_t>(l);
   const V vlo = V{} + lo;
   const V vstep = V{} + step;
   const V vlevels = V{} + levels;
-  const V zero = V{};
   int64_t k = 0;
   for (; k + kWidth <= m; k += kWidth) {
     V x;
@@ -416,7 +480,7 @@ ACTCORE_INLINE void codes_of(const acc_t* v, int64_t m, acc_t lo, acc_t step, ac
     } else {
       t = t + acc_t(0.5);
     }
-    const V c = t >= vlevels ? vlevels : (t >= zero ? t : zero);
+    const V c = clamp_code(t, vlevels);
     const B b = low_bytes(__builtin_convertvector(c, I));  // codes are 0..255
     std::memcpy(codes + k, &b, sizeof(B));
   }
@@ -429,6 +493,90 @@ ACTCORE_INLINE void codes_of(const acc_t* v, int64_t m, acc_t lo, acc_t step, ac
     codes[k] = to_code((v[k] - lo) / step + u, levels);
   }
 }
+
+#if ACTCORE_X86
+// codes_of for float32 on AVX-512, 16 lanes at a time with the same operations in the same
+// order; vmaxps(t, 0) gives 0 for a NaN t. The last m % 16 go through codes_of.
+template <bool stochastic>
+ACTCORE_AVX512 void codes_avx512(const float* v, int64_t m, float lo, float step, float levels,
+                                 uint32_t index, uint32_t key, uint8_t* codes) {
+  const __m512 vlo = _mm512_set1_ps(lo);
+  const __m512 vstep = _mm512_set1_ps(step);
+  const __m512 vlevels = _mm512_set1_ps(levels);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i vkey = _mm512_set1_epi32(static_cast<int>(key));
+  const __m512i mult_a = _mm512_set1_epi32(static_cast<int>(kMultA));
+  const __m512i mult_b = _mm512_set1_epi32(static_cast<int>(kMultB));
+  int64_t k = 0;
+  for (; k + 16 <= m; k += 16) {
+    __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(v + k), vlo), vstep);
+    if constexpr (stochastic) {
+      __m512i h = _mm512_add_epi32(
+          _mm512_set1_epi32(static_cast<int>(index + static_cast<uint32_t>(k))), lane);
+      h = _mm512_xor_si512(h, vkey);
+      h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+      h = _mm512_mullo_epi32(h, mult_a);
+      h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
+      h = _mm512_mullo_epi32(h, mult_b);
+      h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
+      const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h, 8)),
+                                     _mm512_set1_ps(kTwoPowMinus24));
+      t = _mm512_add_ps(t, u);
+    } else {
+      t = _mm512_add_ps(t, _mm512_set1_ps(0.5f));
+    }
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(t, _mm512_setzero_ps()), vlevels);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k),
+                     _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(c)));
+  }
+  codes_of<32, float, stochastic>(v + k, m - k, lo, step, levels,
+                                  index + static_cast<uint32_t>(k), key, codes + k);
+}
+#endif
+
+#if ACTCORE_X86
+// pack_blocks on AVX-512, 64 codes (8 blocks) at a time: one test-into-mask per bit plane
+// gives that plane of all 8 blocks (byte b of the mask: block b), then the planes are
+// interleaved block by block (unpacks for 1, 2 and 4 bits, byte stores otherwise).
+template <int Bits>
+ACTCORE_AVX512 void pack_blocks_avx512_of(const uint8_t* values, int64_t blocks, uint8_t* out) {
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8) {
+    const __m512i c = _mm512_loadu_si512(values + 8 * b);
+    uint64_t plane[Bits];
+    for (int j = 0; j < Bits; ++j) {
+      plane[j] = _mm512_test_epi8_mask(c, _mm512_set1_epi8(static_cast<char>(1 << j)));
+    }
+    uint8_t* o = out + b * Bits;
+    if constexpr (Bits == 1) {
+      std::memcpy(o, plane, 8);
+    } else if constexpr (Bits == 2) {
+      const __m128i p0 = _mm_cvtsi64_si128(static_cast<int64_t>(plane[0]));
+      const __m128i p1 = _mm_cvtsi64_si128(static_cast<int64_t>(plane[1]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_unpacklo_epi8(p0, p1));
+    } else if constexpr (Bits == 4) {
+      __m128i p[4];
+      for (int j = 0; j < 4; ++j) p[j] = _mm_cvtsi64_si128(static_cast<int64_t>(plane[j]));
+      const __m128i p01 = _mm_unpacklo_epi8(p[0], p[1]);
+      const __m128i p23 = _mm_unpacklo_epi8(p[2], p[3]);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_unpacklo_epi16(p01, p23));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16), _mm_unpackhi_epi16(p01, p23));
+    } else {
+      for (int t = 0; t < 8; ++t) {
+        for (int j = 0; j < Bits; ++j) o[t * Bits + j] = static_cast<uint8_t>(plane[j] >> (8 * t));
+      }
+    }
+  }
+  pack_blocks_of<Bits>(values + 8 * b, blocks - b, out + b * Bits);
+}
+
+ACTCORE_AVX512 void pack_blocks_avx512(const uint8_t* values, int64_t blocks, int bits,
+                                       uint8_t* out) {
+#define ACTCORE_PACK(B) pack_blocks_avx512_of<B>(values, blocks, out)
+  ACTCORE_BY_BITS(bits, ACTCORE_PACK)
+#undef ACTCORE_PACK
+}
+#endif
 
 // ---------------------------------------------------------------- quantize
 using actcore_kernels::MaskedQuantizeArgs;
@@ -450,34 +598,56 @@ struct DenseSource {
 
 #if ACTCORE_X86
 // `m` set elements of a float32 input from the mask's position (word, rest) on, into `buf`
-// (which takes 8 floats past m): a mask byte at a time where its set bits all fit, one
-// permute and one store each, else an element at a time.
-ACTCORE_AVX2 void avx2_read_set(const float* x, const MaskView& mask, int64_t& word,
-                                uint64_t& rest, int64_t m, float* buf) {
+// (which takes kLanes floats past m): kLanes mask bits at a time where their set bits all
+// fit, `move` storing the selected ones of kLanes inputs (a left-pack), else an element at
+// a time.
+template <int kLanes, typename Move>
+ACTCORE_INLINE void read_set(const float* x, const MaskView& mask, int64_t& word,
+                             uint64_t& rest, int64_t m, float* buf, Move move) {
+  constexpr uint64_t kAll = (uint64_t{1} << kLanes) - 1;
   for (int64_t k = 0; k < m;) {
     while (rest == 0) rest = mask_word(mask.bits, mask.numel, ++word);
-    const int shift = __builtin_ctzll(rest) & ~7;
-    const unsigned byte = static_cast<unsigned>(rest >> shift) & 0xffu;
-    const int count = __builtin_popcount(byte);
+    const int shift = __builtin_ctzll(rest) & ~(kLanes - 1);
+    const auto lanes = static_cast<unsigned>((rest >> shift) & kAll);
+    const int count = __builtin_popcount(lanes);
     const int64_t first = word * 64 + shift;
-    if (k + count <= m && first + 8 <= mask.numel) {
-      const __m256 v = _mm256_loadu_ps(x + first);
-      const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes.pack[byte]));
-      _mm256_storeu_ps(buf + k, _mm256_permutevar8x32_ps(v, lanes));
+    if (k + count <= m && first + kLanes <= mask.numel) {
+      move(x + first, lanes, buf + k);
       k += count;
-      rest &= ~(uint64_t{0xff} << shift);
+      rest &= ~(kAll << shift);
     } else {
       buf[k++] = x[word * 64 + __builtin_ctzll(rest)];
       rest &= rest - 1;
     }
   }
 }
+
+// A mask byte at a time: one permute with the byte's left-pack lanes, one store.
+ACTCORE_AVX2 void avx2_read_set(const float* x, const MaskView& mask, int64_t& word,
+                                uint64_t& rest, int64_t m, float* buf) {
+  read_set<8>(x, mask, word, rest, m, buf,
+              [](const float* from, unsigned lanes, float* to) ACTCORE_AVX2 {
+                const __m256i order =
+                    _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes.pack[lanes]));
+                _mm256_storeu_ps(to, _mm256_permutevar8x32_ps(_mm256_loadu_ps(from), order));
+              });
+}
+
+// 16 mask bits at a time: one compress, one store.
+ACTCORE_AVX512 void avx512_read_set(const float* x, const MaskView& mask, int64_t& word,
+                                    uint64_t& rest, int64_t m, float* buf) {
+  read_set<16>(x, mask, word, rest, m, buf,
+               [](const float* from, unsigned lanes, float* to) ACTCORE_AVX512 {
+                 const auto keep = static_cast<__mmask16>(lanes);
+                 _mm512_storeu_ps(to, _mm512_maskz_compress_ps(keep, _mm512_loadu_ps(from)));
+               });
+}
 #endif
 
 // ... or the set elements of a mask over a dense input, in order (one row: the column of a
-// value is its rank among them). Reads run on from where the last one stopped; `kPack`: the
-// float32 left-packing read of AVX2 builds.
-template <typename scalar_t, typename acc_t, bool kPack = false>
+// value is its rank among them). Reads run on from where the last one stopped; float32
+// reads left-pack a mask byte (AVX2) or 16 bits (AVX-512) at a time.
+template <typename scalar_t, typename acc_t, int kLevel>
 struct MaskedSource {
   const scalar_t* x;
   MaskView mask;
@@ -496,7 +666,10 @@ struct MaskedSource {
     if (col != next) seek(col);
     next = col + m;
 #if ACTCORE_X86
-    if constexpr (kPack) {
+    if constexpr (std::is_same_v<scalar_t, float> && kLevel >= kAvx512) {
+      avx512_read_set(x, mask, word, rest, m, buf);
+      return buf;
+    } else if constexpr (std::is_same_v<scalar_t, float> && kLevel >= kAvx2) {
       avx2_read_set(x, mask, word, rest, m, buf);
       return buf;
     }
@@ -513,10 +686,12 @@ struct MaskedSource {
 
 // Groups [g0, g1) of quantization.quantize_reference, operation for operation, on the
 // values `src` reads.
-template <typename scalar_t, typename Source>
+template <typename scalar_t, int kLevel, typename Source>
 ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, Source& src, int64_t g0, int64_t g1) {
   using acc_t = typename Acc<scalar_t>::type;
-  alignas(64) acc_t buf[kChunk + 8];  // + 8: a masked read's last 8-lane store
+  // AVX-512 runs loops of its own for float32 (64 bytes), the rest vectors of 32 bytes
+  constexpr int kVec = kLevel >= kAvx512 && std::is_same_v<acc_t, float> ? 64 : 32;
+  alignas(64) acc_t buf[kChunk + 16];  // + 16: a masked read's last 16-lane store
   alignas(64) uint8_t codes[kChunk];
   const int64_t groups_per_row = (a.cols + a.group_size - 1) / a.group_size;
   const int64_t row_bytes = (a.cols + 7) / 8 * a.bits;
@@ -535,7 +710,14 @@ ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, Source& src, int64_t 
     for (int64_t off = 0; off < n; off += kChunk) {
       const int64_t m = std::min(kChunk, n - off);
       held = src.read(row, col0 + off, m, buf);
-      min_max(held, m, mn, mx);
+#if ACTCORE_X86
+      if constexpr (kVec == 64) {
+        min_max_avx512(held, m, mn, mx);
+      } else
+#endif
+      {
+        min_max<kVec>(held, m, mn, mx);
+      }
     }
     uint16_t lo_bits;
     uint16_t step_bits;
@@ -570,16 +752,38 @@ ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, Source& src, int64_t 
               key_hi = hi;
               key = block_key(a.seed, hi);
             }
-            codes_of<acc_t, true>(v + done, len, lo, step, levels,
-                                  static_cast<uint32_t>(index), key, codes + done);
+#if ACTCORE_X86
+            if constexpr (kVec == 64) {
+              codes_avx512<true>(v + done, len, lo, step, levels, static_cast<uint32_t>(index),
+                                 key, codes + done);
+            } else
+#endif
+            {
+              codes_of<kVec, acc_t, true>(v + done, len, lo, step, levels,
+                                          static_cast<uint32_t>(index), key, codes + done);
+            }
             done += len;
           }
         } else {
-          codes_of<acc_t, false>(v, m, lo, step, levels, 0, 0, codes);
+#if ACTCORE_X86
+          if constexpr (kVec == 64) {
+            codes_avx512<false>(v, m, lo, step, levels, 0, 0, codes);
+          } else
+#endif
+          {
+            codes_of<kVec, acc_t, false>(v, m, lo, step, levels, 0, 0, codes);
+          }
         }
         std::memset(codes + m, 0, static_cast<size_t>(m8 - m));  // past the row's end
       }
-      pack_blocks(codes, m8 / 8, a.bits, out + off / 8 * a.bits);
+#if ACTCORE_X86
+      if constexpr (kLevel >= kAvx512) {
+        pack_blocks_avx512(codes, m8 / 8, a.bits, out + off / 8 * a.bits);
+      } else
+#endif
+      {
+        pack_blocks(codes, m8 / 8, a.bits, out + off / 8 * a.bits);
+      }
     }
   }
 }
@@ -623,42 +827,63 @@ ACTCORE_INLINE void dequantize_groups(const DequantizeArgs& a, int64_t g0, int64
 
 #if ACTCORE_X86
 // Words [w, we) of a float32 masked_dequantize output, all of it: `values` (the set
-// elements' values in order, 8 floats readable past the last) spread to their lanes a mask
-// byte at a time (one permute, one and, one store), +0 in the other lanes.
-ACTCORE_AVX2 void avx2_spread_words(const float* values, float* out, const MaskView& m,
-                                    int64_t w, int64_t we) {
-  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+// elements' values in order, kLanes floats readable past the last) spread to their lanes
+// kLanes mask bits at a time by `move` (the inverse of read_set's left-pack), +0 in the
+// other lanes.
+template <int kLanes, typename Move>
+ACTCORE_INLINE void spread_words(const float* values, float* out, const MaskView& m, int64_t w,
+                                 int64_t we, Move move) {
+  constexpr uint64_t kAll = (uint64_t{1} << kLanes) - 1;
   int64_t k = 0;
   for (int64_t v = w; v < we; ++v) {
     const uint64_t bits = mask_word(m.bits, m.numel, v);
     const int64_t n = std::min<int64_t>(64, m.numel - v * 64);
     float* o = out + v * 64;
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-      const unsigned byte = static_cast<unsigned>(bits >> j) & 0xffu;
-      const __m256i ranks =
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes.spread[byte]));
-      const __m256 spread = _mm256_permutevar8x32_ps(_mm256_loadu_ps(values + k), ranks);
-      const __m256i set = _mm256_cmpeq_epi32(
-          _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(byte)), lane_bit), lane_bit);
-      _mm256_storeu_ps(o + j, _mm256_and_ps(spread, _mm256_castsi256_ps(set)));
-      k += __builtin_popcount(byte);
+    for (; j + kLanes <= n; j += kLanes) {
+      const auto lanes = static_cast<unsigned>((bits >> j) & kAll);
+      move(values + k, lanes, o + j);
+      k += __builtin_popcount(lanes);
     }
     for (; j < n; ++j) o[j] = ((bits >> j) & 1) ? values[k++] : 0.0f;
   }
+}
+
+// A mask byte at a time: one permute, one and, one store.
+ACTCORE_AVX2 void avx2_spread_words(const float* values, float* out, const MaskView& m,
+                                    int64_t w, int64_t we) {
+  spread_words<8>(values, out, m, w, we, [](const float* from, unsigned lanes, float* to)
+                                             ACTCORE_AVX2 {
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i ranks = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLanes.spread[lanes]));
+    const __m256 spread = _mm256_permutevar8x32_ps(_mm256_loadu_ps(from), ranks);
+    const __m256i set = _mm256_cmpeq_epi32(
+        _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(lanes)), lane_bit), lane_bit);
+    _mm256_storeu_ps(to, _mm256_and_ps(spread, _mm256_castsi256_ps(set)));
+  });
+}
+
+// 16 mask bits at a time: one zero-masking expand, one store.
+ACTCORE_AVX512 void avx512_spread_words(const float* values, float* out, const MaskView& m,
+                                        int64_t w, int64_t we) {
+  spread_words<16>(values, out, m, w, we, [](const float* from, unsigned lanes, float* to)
+                                              ACTCORE_AVX512 {
+    const auto keep = static_cast<__mmask16>(lanes);
+    _mm512_storeu_ps(to, _mm512_maskz_expand_ps(keep, _mm512_loadu_ps(from)));
+  });
 }
 #endif
 
 // The dense output of masked_dequantize over words [w0, w1) of the mask: +0 everywhere, then
 // the values of the set elements (ranks offsets[w0] on), each computed as dequantize_groups
 // computes it. Works in spans of kChunk outputs (their codes fit the buffers).
-template <typename scalar_t, bool kPack>
+template <typename scalar_t, int kLevel>
 ACTCORE_INLINE void masked_dequantize_words(const actcore_kernels::MaskedDequantizeArgs& ma,
                                             int64_t w0, int64_t w1) {
   using acc_t = typename Acc<scalar_t>::type;
   constexpr int64_t kSpanWords = kChunk / 64;
   alignas(64) uint8_t codes[kChunk + 16];
-  alignas(64) acc_t values[kChunk + 8];  // + 8: the spreading write's last 8-lane load
+  alignas(64) acc_t values[kChunk + 16];  // + 16: the spreading write's last 16-lane load
   const DequantizeArgs& a = ma.d;
   const MaskView& m = ma.mask;
   auto* out = static_cast<scalar_t*>(a.out);
@@ -667,7 +892,7 @@ ACTCORE_INLINE void masked_dequantize_words(const actcore_kernels::MaskedDequant
     const int64_t we = std::min(w1, w + kSpanWords);
     const int64_t r0 = m.offsets[w];
     const int64_t r1 = m.offsets[we];
-    constexpr bool spread = kPack && std::is_same_v<scalar_t, float>;
+    constexpr bool spread = kLevel >= kAvx2 && std::is_same_v<scalar_t, float>;
     if (!spread || r1 == r0) std::fill(out + w * 64, out + std::min(m.numel, we * 64), scalar_t(0));
     if (r1 == r0) continue;
     const int64_t b0 = r0 / 8;
@@ -688,7 +913,10 @@ ACTCORE_INLINE void masked_dequantize_words(const actcore_kernels::MaskedDequant
       r = end;
     }
 #if ACTCORE_X86
-    if constexpr (spread) {
+    if constexpr (spread && kLevel >= kAvx512) {
+      avx512_spread_words(values, out, m, w, we);
+      continue;
+    } else if constexpr (spread) {
       avx2_spread_words(values, out, m, w, we);
       continue;
     }
@@ -760,20 +988,18 @@ void hash_range(const int64_t* index, float* out, int64_t seed, int64_t i0, int6
 }
 
 // ---------------------------------------------------------------- ISA variants
-#define ACTCORE_VARIANTS(prefix, attr, pack)                                                      \
+#define ACTCORE_VARIANTS(prefix, attr, level)                                                 \
   template <typename scalar_t>                                                                \
   attr void prefix##quantize(const QuantizeArgs& a, int64_t g0, int64_t g1) {                 \
     DenseSource<scalar_t, typename Acc<scalar_t>::type> src{                                  \
         static_cast<const scalar_t*>(a.x), a.cols};                                           \
-    quantize_groups<scalar_t>(a, src, g0, g1);                                                \
+    quantize_groups<scalar_t, level>(a, src, g0, g1);                                         \
   }                                                                                           \
   template <typename scalar_t>                                                                \
   attr void prefix##masked_quantize(const MaskedQuantizeArgs& a, int64_t g0, int64_t g1) {    \
-    MaskedSource<scalar_t, typename Acc<scalar_t>::type,                                      \
-                 pack && std::is_same_v<scalar_t, float>>                                     \
-        src{                                                                                  \
+    MaskedSource<scalar_t, typename Acc<scalar_t>::type, level> src{                          \
         static_cast<const scalar_t*>(a.q.x), a.mask};                                         \
-    quantize_groups<scalar_t>(a.q, src, g0, g1);                                              \
+    quantize_groups<scalar_t, level>(a.q, src, g0, g1);                                       \
   }                                                                                           \
   template <typename scalar_t>                                                                \
   attr void prefix##dequantize(const DequantizeArgs& a, int64_t g0, int64_t g1) {             \
@@ -782,7 +1008,7 @@ void hash_range(const int64_t* index, float* out, int64_t seed, int64_t i0, int6
   template <typename scalar_t>                                                                \
   attr void prefix##masked_dequantize(const actcore_kernels::MaskedDequantizeArgs& a,         \
                                       int64_t w0, int64_t w1) {                               \
-    masked_dequantize_words<scalar_t, pack>(a, w0, w1);                                           \
+    masked_dequantize_words<scalar_t, level>(a, w0, w1);                                      \
   }                                                                                           \
   template <typename scalar_t>                                                                \
   attr void prefix##apply_mask(const scalar_t* x, scalar_t* out, const MaskView& m,           \
@@ -790,19 +1016,21 @@ void hash_range(const int64_t* index, float* out, int64_t seed, int64_t i0, int6
     apply_mask_words<scalar_t>(x, out, m, w0, w1);                                            \
   }
 
-ACTCORE_VARIANTS(base_, , false)
+ACTCORE_VARIANTS(base_, , kBaseline)
 #if ACTCORE_X86
-ACTCORE_VARIANTS(avx2_, ACTCORE_AVX2, true)
+ACTCORE_VARIANTS(avx2_, ACTCORE_AVX2, kAvx2)
+ACTCORE_VARIANTS(avx512_, ACTCORE_AVX512, kAvx512)
 #endif
 
 template <typename scalar_t>
 void quantize_parallel(const QuantizeArgs& a) {
   const int64_t groups = a.rows * ((a.cols + a.group_size - 1) / a.group_size);
   const int64_t grain = std::max<int64_t>(1, kGrainElements / a.group_size);
-  const bool avx2 = has_avx2();
+  const int level = isa();
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
 #if ACTCORE_X86
-    if (avx2) return avx2_quantize<scalar_t>(a, g0, g1);
+    if (level >= kAvx512) return avx512_quantize<scalar_t>(a, g0, g1);
+    if (level >= kAvx2) return avx2_quantize<scalar_t>(a, g0, g1);
 #endif
     base_quantize<scalar_t>(a, g0, g1);
   });
@@ -812,10 +1040,11 @@ template <typename scalar_t>
 void masked_quantize_parallel(const MaskedQuantizeArgs& a) {
   const int64_t groups = (a.q.cols + a.q.group_size - 1) / a.q.group_size;
   const int64_t grain = std::max<int64_t>(1, kGrainElements / a.q.group_size);
-  const bool avx2 = has_avx2();
+  const int level = isa();
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
 #if ACTCORE_X86
-    if (avx2) return avx2_masked_quantize<scalar_t>(a, g0, g1);
+    if (level >= kAvx512) return avx512_masked_quantize<scalar_t>(a, g0, g1);
+    if (level >= kAvx2) return avx2_masked_quantize<scalar_t>(a, g0, g1);
 #endif
     base_masked_quantize<scalar_t>(a, g0, g1);
   });
@@ -823,10 +1052,11 @@ void masked_quantize_parallel(const MaskedQuantizeArgs& a) {
 
 template <typename scalar_t>
 void masked_dequantize_parallel(const actcore_kernels::MaskedDequantizeArgs& a) {
-  const bool avx2 = has_avx2();
+  const int level = isa();
   at::parallel_for(0, a.mask.words, kGrainElements / 64, [&](int64_t w0, int64_t w1) {
 #if ACTCORE_X86
-    if (avx2) return avx2_masked_dequantize<scalar_t>(a, w0, w1);
+    if (level >= kAvx512) return avx512_masked_dequantize<scalar_t>(a, w0, w1);
+    if (level >= kAvx2) return avx2_masked_dequantize<scalar_t>(a, w0, w1);
 #endif
     base_masked_dequantize<scalar_t>(a, w0, w1);
   });
@@ -836,10 +1066,11 @@ template <typename scalar_t>
 void apply_mask_parallel(const at::Tensor& xc, at::Tensor& out, const MaskView& m) {
   const auto* x = static_cast<const scalar_t*>(xc.const_data_ptr());
   auto* o = static_cast<scalar_t*>(out.mutable_data_ptr());
-  const bool avx2 = has_avx2();
+  const int level = isa();
   at::parallel_for(0, m.words, kGrainElements / 64, [&](int64_t w0, int64_t w1) {
 #if ACTCORE_X86
-    if (avx2) return avx2_apply_mask<scalar_t>(x, o, m, w0, w1);
+    if (level >= kAvx512) return avx512_apply_mask<scalar_t>(x, o, m, w0, w1);
+    if (level >= kAvx2) return avx2_apply_mask<scalar_t>(x, o, m, w0, w1);
 #endif
     base_apply_mask<scalar_t>(x, o, m, w0, w1);
   });
@@ -849,10 +1080,11 @@ template <typename scalar_t>
 void dequantize_parallel(const DequantizeArgs& a) {
   const int64_t groups = a.rows * ((a.cols + a.group_size - 1) / a.group_size);
   const int64_t grain = std::max<int64_t>(1, kGrainElements / a.group_size);
-  const bool avx2 = has_avx2();
+  const int level = isa();
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
 #if ACTCORE_X86
-    if (avx2) return avx2_dequantize<scalar_t>(a, g0, g1);
+    if (level >= kAvx512) return avx512_dequantize<scalar_t>(a, g0, g1);
+    if (level >= kAvx2) return avx2_dequantize<scalar_t>(a, g0, g1);
 #endif
     base_dequantize<scalar_t>(a, g0, g1);
   });
@@ -1256,9 +1488,11 @@ __attribute__((visibility("default"))) void actcore_cpu_unregister() {
   actcore_cpu::registration.reset();
 }
 
-// 1 when the hot loops run their AVX2 variant on this CPU.
-__attribute__((visibility("default"))) int actcore_cpu_uses_avx2() {
-  return actcore_cpu::has_avx2() ? 1 : 0;
+// The variant the hot loops run (0 baseline, 1 AVX2, 2 AVX-512) after capping it at `limit`
+// (a negative limit leaves the cap as it is): the best this CPU has, within the cap.
+__attribute__((visibility("default"))) int actcore_cpu_limit_isa(int limit) {
+  if (limit >= 0) actcore_cpu::isa_limit.store(limit, std::memory_order_relaxed);
+  return actcore_cpu::isa();
 }
 
 // How many threads the kernels' at::parallel_for runs on now: 1 when the library was built

@@ -1,7 +1,8 @@
 """Tests of actcore's C++ CPU kernels (csrc/cpu_kernels.cpp); their loader: test_native_cpu_loader.py.
 
 * bit-exact (atol=0) against the pure-PyTorch reference functions, called directly, over
-  shapes, layouts, dtypes, bits, group sizes, rounding modes and non-finite values;
+  shapes, layouts, dtypes, bits, group sizes, rounding modes and non-finite values, in every
+  instruction-set variant this CPU has (baseline, AVX2, AVX-512);
 * ``torch.library.opcheck`` of every op on CPU with the kernels registered;
 * at least 3x faster than the reference on 16M fp32 elements (measured: 20-80x);
 * test_ops.py and test_masked_ops.py once more, in the other mode than the default (the reference when the CPU
@@ -61,9 +62,21 @@ def _check_round_trip(
     assert y.is_contiguous()
 
 
+@pytest.fixture(params=loader.CPU_ISAS)
+def isa(request, native_cpu) -> Iterator[str]:
+    """Each instruction-set variant of the kernels' loops this CPU has (the best after)."""
+    try:
+        got = loader.cpu_isa(request.param)
+        if got != request.param:
+            pytest.skip(f"this CPU has no {request.param} (its best: {got})")
+        yield got
+    finally:
+        loader.cpu_isa(loader.CPU_ISAS[-1])
+
+
 # ------------------------------------------------------------------------------ exactness
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_quantize_and_dequantize_are_bit_exact(native_cpu, dtype):
+def test_quantize_and_dequantize_are_bit_exact(isa, dtype):
     for name, x in bit_exact_inputs(dtype):
         for bits in range(1, 9):
             for group_size in GROUP_SIZES:
@@ -72,7 +85,7 @@ def test_quantize_and_dequantize_are_bit_exact(native_cpu, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_bit_exact_past_the_reference_block_size(native_cpu, dtype):
+def test_bit_exact_past_the_reference_block_size(isa, dtype):
     """More than 64K elements: rows cut into column tiles, and many rows per tile."""
     g = torch.Generator().manual_seed(7)
     cases = {
@@ -90,7 +103,7 @@ def test_bit_exact_past_the_reference_block_size(native_cpu, dtype):
             _check_round_trip(x, bits, group_size, stochastic, per_sample, name)
 
 
-def test_group_larger_than_the_kernel_chunk(native_cpu):
+def test_group_larger_than_the_kernel_chunk(isa):
     """Groups of more than 1024 elements are read in chunks by the kernel."""
     x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(3))
     x[1, 4000] = float("inf")
@@ -127,7 +140,7 @@ def test_pack_and_unpack_bits_are_bit_exact(native_cpu, bits):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_masked_ops_are_bit_exact(native_cpu, dtype):
+def test_masked_ops_are_bit_exact(isa, dtype):
     """masked_quantize / masked_dequantize / apply_mask against their references, and
     masked_quantize against quantize of the selected values (what zero-value stored before)."""
     for name, x, keep in masked_cases(dtype):
@@ -161,11 +174,11 @@ def test_masked_ops_are_bit_exact(native_cpu, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_padded_masked_ops_are_bit_exact(native_cpu, dtype):
+def test_padded_masked_ops_are_bit_exact(isa, dtype):
     check_masked_ops("cpu", dtype)
 
 
-def test_masked_ops_ignore_the_padding_bits_of_the_mask(native_cpu):
+def test_masked_ops_ignore_the_padding_bits_of_the_mask(isa):
     """Bits past the last element (in its byte, or extra bytes) select nothing."""
     x = torch.relu(torch.randn(77, generator=torch.Generator().manual_seed(2)))
     mask = torch.cat([ops.pack_mask(x != 0), torch.full((9,), 255, dtype=torch.uint8)])
@@ -235,12 +248,29 @@ def test_the_front_end_runs_the_cpu_kernels(native_cpu):
     assert info["active"] and info["library"] and info["built"]
 
 
+def test_the_instruction_set_can_be_capped(native_cpu):
+    """cpu_isa names the variant running, a cap lowers it (never above what the CPU has),
+    and a bad name is refused with the allowed ones."""
+    best = loader.cpu_isa()
+    assert best in loader.CPU_ISAS
+    assert loader.cpu_status()["isa"] == best
+    try:
+        assert loader.cpu_isa("baseline") == "baseline"
+        assert loader.cpu_isa() == "baseline"
+        assert loader.cpu_isa("avx512") == best
+        with pytest.raises(ValueError, match=r"baseline, avx2, avx512; got 'sse9'"):
+            loader.cpu_isa("sse9")
+        assert loader.cpu_isa() == best
+    finally:
+        loader.cpu_isa("avx512")
+
+
 def test_errors_are_clear(native_cpu):
     check_errors_are_clear("cpu")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_relu_mask_is_the_reference_bit_for_bit(native_cpu, dtype):
+def test_relu_mask_is_the_reference_bit_for_bit(isa, dtype):
     """One pass over x gives pack_mask(~(x <= 0)): NaN and +inf set, both zeros clear, every
     length around a byte's and a vector's end, strided and channels-last inputs."""
     special = torch.tensor([float("nan"), -0.0, 0.0, float("inf"), -float("inf"), 1e-30, -1e-30])

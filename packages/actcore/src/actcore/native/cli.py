@@ -135,7 +135,7 @@ def run_status(args: argparse.Namespace) -> int:
 def _cpu_row(cpu: dict[str, Any]) -> str:
     """One line on the CPU kernels (csrc/cpu_kernels.cpp)."""
     if cpu["active"]:
-        isa = "AVX2" if cpu["avx2"] else "baseline ISA"
+        isa = {"avx2": "AVX2", "avx512": "AVX-512"}.get(cpu["isa"], "baseline ISA")
         threads = cpu.get("threads")
         on = f", {threads} thread{'s' if threads != 1 else ''}" if threads else ""
         return f"active ({isa}{on}), {cpu['library']}"

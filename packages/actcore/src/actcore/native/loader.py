@@ -32,12 +32,14 @@ import torch
 
 __all__ = [
     "CPU_DEFAULT_ON",
+    "CPU_ISAS",
     "CPU_ONLY_OPS",
     "OPS",
     "NativeUnavailableWarning",
     "call",
     "cpu_active",
     "cpu_disabled",
+    "cpu_isa",
     "cpu_kernels",
     "cpu_ready",
     "cpu_status",
@@ -274,7 +276,8 @@ def _cpu_library(library: str | os.PathLike) -> ctypes.CDLL:
 
     lib = _open(library, "actcore_cpu", CPU_ABI_VERSION)
     lib.actcore_cpu_unregister.restype = None
-    lib.actcore_cpu_uses_avx2.restype = ctypes.c_int
+    lib.actcore_cpu_limit_isa.restype = ctypes.c_int
+    lib.actcore_cpu_limit_isa.argtypes = (ctypes.c_int,)
     lib.actcore_cpu_parallel_threads.restype = ctypes.c_int
     return lib
 
@@ -329,6 +332,25 @@ def cpu_ready(op: str) -> bool:
     if not state.attempted:
         load_cpu()
     return state.active
+
+
+CPU_ISAS = ("baseline", "avx2", "avx512")
+
+
+def cpu_isa(limit: str | None = None) -> str | None:
+    """The instruction set the CPU kernels' hot loops run: the best of :data:`CPU_ISAS` this
+    CPU has (on x86-64; "baseline" elsewhere), or None when the kernels are not loaded.
+
+    ``limit`` first caps it for this process (``"avx512"`` lifts the cap), so each variant
+    the CPU has can be run and compared; every variant gives bit for bit the same results.
+    """
+    if limit is not None and limit not in CPU_ISAS:
+        raise ValueError(f"cpu_isa: limit must be one of {', '.join(CPU_ISAS)}; got {limit!r}")
+    handle = _CPU_STATE.handle
+    if handle is None:
+        return None
+    level = -1 if limit is None else CPU_ISAS.index(limit)
+    return CPU_ISAS[handle.actcore_cpu_limit_isa(level)]
 
 
 def cpu_active() -> bool:
@@ -395,7 +417,7 @@ def cpu_status() -> dict[str, Any]:
     """What this process knows about the CPU kernels (never raises)."""
     state = _CPU_STATE
     info = _state_status(state, "active", cpu_disabled())
-    info["avx2"] = bool(state.handle.actcore_cpu_uses_avx2()) if state.handle else None
+    info["isa"] = cpu_isa()
     info["threads"] = int(state.handle.actcore_cpu_parallel_threads()) if state.handle else None
     from . import build
 
