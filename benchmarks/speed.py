@@ -299,6 +299,7 @@ def main() -> None:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "cpu_kernel_threads": loader.cpu_status().get("threads"),
+            "cpu_kernel_isa": loader.cpu_isa(),
             "command": " ".join(["python", *sys.argv]),
         }
         with open(args.json, "w") as f:
