@@ -288,19 +288,19 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 typedef uint8_t u8x4 __attribute__((vector_size(4)));
 
-// A vector of `kBytes` bytes of T, and the uint32, int32 and uint8 vectors of as many lanes
-// (32 bytes: the baseline and AVX2 variants; AVX-512 has loops of its own).
-template <typename T, int kBytes>
+// A vector of 32 bytes of T, and the uint32, int32 and uint8 vectors of as many lanes (the
+// baseline and AVX2 variants; AVX-512 has loops of its own).
+template <typename T>
 struct Simd;
 template <>
-struct Simd<float, 32> {
+struct Simd<float> {
   using V = f32x8;
   using U = u32x8;
   using I = i32x8;
   using B = u8x8;
 };
 template <>
-struct Simd<double, 32> {
+struct Simd<double> {
   using V = f64x4;
   using U = u32x4;
   using I = i32x4;
@@ -373,17 +373,10 @@ ACTCORE_AVX512 void min_max_avx512(const float* p, int64_t n, float& mn, float& 
 
 #endif
 
-// floor's argument clamped to [0, levels], NaN -> 0, a vector at a time.
-template <typename V>
-ACTCORE_INLINE V clamp_code(V t, V levels) {
-  const V zero = V{};
-  return t >= levels ? levels : (t >= zero ? t : zero);
-}
-
-// Folds the min and max of p[0, n) into mn and mx, `kBytes` at a time.
-template <int kBytes, typename T>
+// Folds the min and max of p[0, n) into mn and mx, a vector at a time.
+template <typename T>
 ACTCORE_INLINE void min_max(const T* p, int64_t n, T& mn, T& mx) {
-  using V = typename Simd<T, kBytes>::V;
+  using V = typename Simd<T>::V;
   constexpr int kWidth = sizeof(V) / sizeof(T);
   const T inf = std::numeric_limits<T>::infinity();
   V vmn = V{} + inf;
@@ -449,19 +442,20 @@ ACTCORE_INLINE u8x4 low_bytes(i32x4 v) {
 // index (`stochastic`; the m indices lie in one block of 2**32, `index` the low word of
 // the first, `key` the block's key) or 0.5. The same operations as the scalar tail, a
 // vector of acc_t at a time.
-template <int kBytes, typename acc_t, bool stochastic>
+template <typename acc_t, bool stochastic>
 ACTCORE_INLINE void codes_of(const acc_t* v, int64_t m, acc_t lo, acc_t step, acc_t levels,
                              uint32_t index, uint32_t key, uint8_t* codes) {
-  using V = typename Simd<acc_t, kBytes>::V;
-  using U = typename Simd<acc_t, kBytes>::U;
-  using I = typename Simd<acc_t, kBytes>::I;
-  using B = typename Simd<acc_t, kBytes>::B;
+  using V = typename Simd<acc_t>::V;
+  using U = typename Simd<acc_t>::U;
+  using I = typename Simd<acc_t>::I;
+  using B = typename Simd<acc_t>::B;
   constexpr int kWidth = sizeof(V) / sizeof(acc_t);
   U lane;
   for (int l = 0; l < kWidth; ++l) lane[l] = static_cast<uint32_t>(l);
   const V vlo = V{} + lo;
   const V vstep = V{} + step;
   const V vlevels = V{} + levels;
+  const V zero = V{};
   int64_t k = 0;
   for (; k + kWidth <= m; k += kWidth) {
     V x;
@@ -480,7 +474,7 @@ ACTCORE_INLINE void codes_of(const acc_t* v, int64_t m, acc_t lo, acc_t step, ac
     } else {
       t = t + acc_t(0.5);
     }
-    const V c = clamp_code(t, vlevels);
+    const V c = t >= vlevels ? vlevels : (t >= zero ? t : zero);
     const B b = low_bytes(__builtin_convertvector(c, I));  // codes are 0..255
     std::memcpy(codes + k, &b, sizeof(B));
   }
@@ -529,8 +523,8 @@ ACTCORE_AVX512 void codes_avx512(const float* v, int64_t m, float lo, float step
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k),
                      _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(c)));
   }
-  codes_of<32, float, stochastic>(v + k, m - k, lo, step, levels,
-                                  index + static_cast<uint32_t>(k), key, codes + k);
+  codes_of<float, stochastic>(v + k, m - k, lo, step, levels, index + static_cast<uint32_t>(k),
+                              key, codes + k);
 }
 #endif
 
@@ -689,8 +683,8 @@ struct MaskedSource {
 template <typename scalar_t, int kLevel, typename Source>
 ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, Source& src, int64_t g0, int64_t g1) {
   using acc_t = typename Acc<scalar_t>::type;
-  // AVX-512 runs loops of its own for float32 (64 bytes), the rest vectors of 32 bytes
-  constexpr int kVec = kLevel >= kAvx512 && std::is_same_v<acc_t, float> ? 64 : 32;
+  // float32 under AVX-512: min/max and codes in loops of their own (16 lanes)
+  constexpr bool k512 = kLevel >= kAvx512 && std::is_same_v<acc_t, float>;
   alignas(64) acc_t buf[kChunk + 16];  // + 16: a masked read's last 16-lane store
   alignas(64) uint8_t codes[kChunk];
   const int64_t groups_per_row = (a.cols + a.group_size - 1) / a.group_size;
@@ -711,12 +705,12 @@ ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, Source& src, int64_t 
       const int64_t m = std::min(kChunk, n - off);
       held = src.read(row, col0 + off, m, buf);
 #if ACTCORE_X86
-      if constexpr (kVec == 64) {
+      if constexpr (k512) {
         min_max_avx512(held, m, mn, mx);
       } else
 #endif
       {
-        min_max<kVec>(held, m, mn, mx);
+        min_max(held, m, mn, mx);
       }
     }
     uint16_t lo_bits;
@@ -753,25 +747,25 @@ ACTCORE_INLINE void quantize_groups(const QuantizeArgs& a, Source& src, int64_t 
               key = block_key(a.seed, hi);
             }
 #if ACTCORE_X86
-            if constexpr (kVec == 64) {
+            if constexpr (k512) {
               codes_avx512<true>(v + done, len, lo, step, levels, static_cast<uint32_t>(index),
                                  key, codes + done);
             } else
 #endif
             {
-              codes_of<kVec, acc_t, true>(v + done, len, lo, step, levels,
+              codes_of<acc_t, true>(v + done, len, lo, step, levels,
                                           static_cast<uint32_t>(index), key, codes + done);
             }
             done += len;
           }
         } else {
 #if ACTCORE_X86
-          if constexpr (kVec == 64) {
+          if constexpr (k512) {
             codes_avx512<false>(v, m, lo, step, levels, 0, 0, codes);
           } else
 #endif
           {
-            codes_of<kVec, acc_t, false>(v, m, lo, step, levels, 0, 0, codes);
+            codes_of<acc_t, false>(v, m, lo, step, levels, 0, 0, codes);
           }
         }
         std::memset(codes + m, 0, static_cast<size_t>(m8 - m));  // past the row's end
