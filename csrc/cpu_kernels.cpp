@@ -62,7 +62,7 @@ namespace actcore_cpu {
 namespace {
 
 // Bumped whenever the registered ops or the C entry points change; loader.py checks it.
-constexpr int kAbiVersion = 6;
+constexpr int kAbiVersion = 7;
 constexpr int64_t kChunk = 1024;           // elements per inner pass (a multiple of 8)
 constexpr int64_t kGrainElements = 1 << 15;  // least work per parallel task
 constexpr uint32_t kMultA = 0x21F0AAADu;
@@ -590,6 +590,70 @@ struct DenseSource {
   }
 };
 
+// The channel multipliers of quantize_scaled / dequantize_scaled: element i of the input
+// (row-major over all of it) lies in channel (i / inner) % channels.
+struct ChannelScale {
+  const float* mult;  // one per channel
+  int64_t channels;
+  int64_t inner;
+};
+
+// x * f in scalar_t, f first converted to scalar_t (as the reference multiplies by the
+// multipliers in x's dtype: computed in acc_t and rounded once); 0 where f is 0.
+template <typename scalar_t, typename acc_t>
+ACTCORE_INLINE acc_t scaled_value(scalar_t x, float f) {
+  const auto fs = static_cast<acc_t>(static_cast<scalar_t>(f));
+  const auto v = static_cast<acc_t>(static_cast<scalar_t>(static_cast<acc_t>(x) * fs));
+  return f == 0.0f ? acc_t(0) : v;
+}
+
+// Calls run(k, len, c) over the runs of one channel among the `m` elements from flat index
+// `first` on: elements [k, k + len) all lie in channel c (inner > 1), or (inner == 1) in
+// channels c, c + 1, ... one each.
+template <typename Run>
+ACTCORE_INLINE void channel_runs(const ChannelScale& s, int64_t first, int64_t m, Run run) {
+  int64_t pos = first % s.inner;
+  int64_t c = (first / s.inner) % s.channels;
+  for (int64_t k = 0; k < m;) {
+    const int64_t len = s.inner == 1 ? std::min(m - k, s.channels - c)
+                                     : std::min(m - k, s.inner - pos);
+    run(k, len, c);
+    k += len;
+    if (s.inner == 1) {
+      c += len;
+    } else if ((pos += len) == s.inner) {
+      pos = 0;
+      ++c;
+    }
+    if (c == s.channels) c = 0;
+  }
+}
+
+// ... or the rows of a dense input times its channel multipliers (quantize_scaled), into buf.
+template <typename scalar_t, typename acc_t>
+struct ScaledSource {
+  const scalar_t* x;
+  int64_t cols;
+  ChannelScale scale;
+
+  ACTCORE_INLINE const acc_t* read(int64_t row, int64_t col, int64_t m, acc_t* buf) {
+    const int64_t first = row * cols + col;
+    const scalar_t* p = x + first;
+    const float* mult = scale.mult;
+    channel_runs(scale, first, m, [&](int64_t k, int64_t len, int64_t c) {
+      if (scale.inner == 1) {
+        for (int64_t j = 0; j < len; ++j) {
+          buf[k + j] = scaled_value<scalar_t, acc_t>(p[k + j], mult[c + j]);
+        }
+      } else {
+        const float f = mult[c];
+        for (int64_t j = 0; j < len; ++j) buf[k + j] = scaled_value<scalar_t, acc_t>(p[k + j], f);
+      }
+    });
+    return buf;
+  }
+};
+
 #if ACTCORE_X86
 // `m` set elements of a float32 input from the mask's position (word, rest) on, into `buf`
 // (which takes kLanes floats past m): kLanes mask bits at a time where their set bits all
@@ -787,8 +851,11 @@ using actcore_kernels::DequantizeArgs;
 
 // (code * step/4 + lo/4) * 4 in acc_t (code * step/4 is exact: one rounding, no overflow),
 // clamped to the output dtype's finite range, then converted (nearest even).
+// With `scale` (dequantize_scaled), each value is then multiplied by its channel's multiplier
+// in scalar_t (the multiplier converted to scalar_t first, the product rounded once).
 template <typename scalar_t>
-ACTCORE_INLINE void dequantize_groups(const DequantizeArgs& a, int64_t g0, int64_t g1) {
+ACTCORE_INLINE void dequantize_groups(const DequantizeArgs& a, int64_t g0, int64_t g1,
+                                      const ChannelScale* scale = nullptr) {
   using acc_t = typename Acc<scalar_t>::type;
   alignas(64) uint8_t codes[kChunk];
   auto* out = static_cast<scalar_t*>(a.out);
@@ -814,6 +881,23 @@ ACTCORE_INLINE void dequantize_groups(const DequantizeArgs& a, int64_t g0, int64
         acc_t value = (static_cast<acc_t>(codes[k]) * step_q + lo_q) * acc_t(4);
         value = value < -top ? -top : (value > top ? top : value);  // NaN stays
         o[off + k] = static_cast<scalar_t>(value);
+      }
+      if (scale != nullptr) {
+        scalar_t* os = o + off;
+        const float* mult = scale->mult;
+        channel_runs(*scale, row * a.cols + col0 + off, m, [&](int64_t k, int64_t len, int64_t c) {
+          if (scale->inner == 1) {
+            for (int64_t j = 0; j < len; ++j) {
+              const auto f = static_cast<acc_t>(static_cast<scalar_t>(mult[c + j]));
+              os[k + j] = static_cast<scalar_t>(static_cast<acc_t>(os[k + j]) * f);
+            }
+          } else {
+            const auto f = static_cast<acc_t>(static_cast<scalar_t>(mult[c]));
+            for (int64_t j = 0; j < len; ++j) {
+              os[k + j] = static_cast<scalar_t>(static_cast<acc_t>(os[k + j]) * f);
+            }
+          }
+        });
       }
     }
   }
@@ -990,6 +1074,18 @@ void hash_range(const int64_t* index, float* out, int64_t seed, int64_t i0, int6
     quantize_groups<scalar_t, level>(a, src, g0, g1);                                         \
   }                                                                                           \
   template <typename scalar_t>                                                                \
+  attr void prefix##quantize_scaled(const QuantizeArgs& a, const ChannelScale& s, int64_t g0, \
+                                    int64_t g1) {                                             \
+    ScaledSource<scalar_t, typename Acc<scalar_t>::type> src{                                 \
+        static_cast<const scalar_t*>(a.x), a.cols, s};                                        \
+    quantize_groups<scalar_t, level>(a, src, g0, g1);                                         \
+  }                                                                                           \
+  template <typename scalar_t>                                                                \
+  attr void prefix##dequantize_scaled(const DequantizeArgs& a, const ChannelScale& s,         \
+                                      int64_t g0, int64_t g1) {                               \
+    dequantize_groups<scalar_t>(a, g0, g1, &s);                                               \
+  }                                                                                           \
+  template <typename scalar_t>                                                                \
   attr void prefix##masked_quantize(const MaskedQuantizeArgs& a, int64_t g0, int64_t g1) {    \
     MaskedSource<scalar_t, typename Acc<scalar_t>::type, level> src{                          \
         static_cast<const scalar_t*>(a.q.x), a.mask};                                         \
@@ -1016,12 +1112,20 @@ ACTCORE_VARIANTS(avx2_, ACTCORE_AVX2, kAvx2)
 ACTCORE_VARIANTS(avx512_, ACTCORE_AVX512, kAvx512)
 #endif
 
+// `scale`: quantize_scaled's channel multipliers, else nullptr.
 template <typename scalar_t>
-void quantize_parallel(const QuantizeArgs& a) {
+void quantize_parallel(const QuantizeArgs& a, const ChannelScale* scale = nullptr) {
   const int64_t groups = a.rows * ((a.cols + a.group_size - 1) / a.group_size);
   const int64_t grain = std::max<int64_t>(1, kGrainElements / a.group_size);
   const int level = isa();
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    if (scale != nullptr) {
+#if ACTCORE_X86
+      if (level >= kAvx512) return avx512_quantize_scaled<scalar_t>(a, *scale, g0, g1);
+      if (level >= kAvx2) return avx2_quantize_scaled<scalar_t>(a, *scale, g0, g1);
+#endif
+      return base_quantize_scaled<scalar_t>(a, *scale, g0, g1);
+    }
 #if ACTCORE_X86
     if (level >= kAvx512) return avx512_quantize<scalar_t>(a, g0, g1);
     if (level >= kAvx2) return avx2_quantize<scalar_t>(a, g0, g1);
@@ -1070,12 +1174,20 @@ void apply_mask_parallel(const at::Tensor& xc, at::Tensor& out, const MaskView& 
   });
 }
 
+// `scale`: dequantize_scaled's channel multipliers, else nullptr.
 template <typename scalar_t>
-void dequantize_parallel(const DequantizeArgs& a) {
+void dequantize_parallel(const DequantizeArgs& a, const ChannelScale* scale = nullptr) {
   const int64_t groups = a.rows * ((a.cols + a.group_size - 1) / a.group_size);
   const int64_t grain = std::max<int64_t>(1, kGrainElements / a.group_size);
   const int level = isa();
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    if (scale != nullptr) {
+#if ACTCORE_X86
+      if (level >= kAvx512) return avx512_dequantize_scaled<scalar_t>(a, *scale, g0, g1);
+      if (level >= kAvx2) return avx2_dequantize_scaled<scalar_t>(a, *scale, g0, g1);
+#endif
+      return base_dequantize_scaled<scalar_t>(a, *scale, g0, g1);
+    }
 #if ACTCORE_X86
     if (level >= kAvx512) return avx512_dequantize<scalar_t>(a, g0, g1);
     if (level >= kAvx2) return avx2_dequantize<scalar_t>(a, g0, g1);
@@ -1128,14 +1240,39 @@ at::Tensor mask_offsets(const at::Tensor& mc, int64_t numel) {
 }
 
 // ---------------------------------------------------------------- the ops
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x, int64_t bits,
-                                                            int64_t group_size, bool stochastic,
-                                                            int64_t seed, bool per_sample) {
-  constexpr const char* op = "actcore::quantize";
+// The channel multipliers of a scaled op over a tensor of `shape`: `multipliers` (float32,
+// one per channel) and `inner` (elements per channel run) into `scale`; returns the
+// contiguous multipliers the kernels read.
+at::Tensor channel_scale(const char* op, const at::Tensor& multipliers, int64_t inner,
+                         at::IntArrayRef shape, ChannelScale& scale) {
+  check_cpu(multipliers, op, "multipliers");
+  TORCH_CHECK(multipliers.scalar_type() == at::kFloat && multipliers.dim() == 1 &&
+                  multipliers.numel() > 0,
+              op, ": multipliers must be a non-empty 1-D float32 tensor, got ",
+              multipliers.scalar_type(), " of shape ", multipliers.sizes());
+  TORCH_CHECK(inner > 0, op, ": inner must be positive, got ", inner);
+  int64_t numel = 1;
+  for (const int64_t size : shape) numel *= size;
+  const int64_t channels = multipliers.numel();
+  TORCH_CHECK(numel % channels == 0 && numel / channels % inner == 0, op, ": ", channels,
+              " channels of ", inner, " elements each do not tile a tensor of shape ", shape);
+  at::Tensor mc = multipliers.contiguous();
+  scale = ChannelScale{mc.const_data_ptr<float>(), channels, inner};
+  return mc;
+}
+
+// quantize, and with `multipliers` quantize_scaled (see channel_scale).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_impl(
+    const char* op, const at::Tensor& x, const at::Tensor* multipliers, int64_t inner,
+    int64_t bits, int64_t group_size, bool stochastic, int64_t seed, bool per_sample) {
   check_cpu(x, op, "x");
   check_float(x.scalar_type(), op);
   check_bits(bits, op);
   check_group_size(group_size, op);
+  ChannelScale scale{};
+  at::Tensor mc;
+  if (multipliers != nullptr) mc = channel_scale(op, *multipliers, inner, x.sizes(), scale);
+  const ChannelScale* scaled = multipliers != nullptr ? &scale : nullptr;
   const auto [rows, cols] = rows_and_cols(x.sizes(), per_sample);
   auto [payload, lo, step] = quantize_outputs(x, rows, cols, group_size, bits);
   if (rows * cols == 0) return {payload, lo, step};
@@ -1144,25 +1281,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x,
       quantize_args(xc, payload, lo, step, rows, cols, group_size, bits, stochastic, seed);
   switch (x.scalar_type()) {
     case at::kFloat:
-      quantize_parallel<float>(args);
+      quantize_parallel<float>(args, scaled);
       break;
     case at::kHalf:
-      quantize_parallel<c10::Half>(args);
+      quantize_parallel<c10::Half>(args, scaled);
       break;
     case at::kBFloat16:
-      quantize_parallel<c10::BFloat16>(args);
+      quantize_parallel<c10::BFloat16>(args, scaled);
       break;
     default:
-      quantize_parallel<double>(args);
+      quantize_parallel<double>(args, scaled);
       break;
   }
   return {payload, lo, step};
 }
 
-at::Tensor dequantize_cpu(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& step,
-                          int64_t bits, int64_t group_size, at::IntArrayRef shape,
-                          at::ScalarType dtype, bool per_sample) {
-  constexpr const char* op = "actcore::dequantize";
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x, int64_t bits,
+                                                            int64_t group_size, bool stochastic,
+                                                            int64_t seed, bool per_sample) {
+  return quantize_impl("actcore::quantize", x, nullptr, 1, bits, group_size, stochastic, seed,
+                       per_sample);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_scaled_cpu(
+    const at::Tensor& x, const at::Tensor& multipliers, int64_t inner, int64_t bits,
+    int64_t group_size, bool stochastic, int64_t seed, bool per_sample) {
+  return quantize_impl("actcore::quantize_scaled", x, &multipliers, inner, bits, group_size,
+                       stochastic, seed, per_sample);
+}
+
+// dequantize, and with `multipliers` dequantize_scaled (see channel_scale).
+at::Tensor dequantize_impl(const char* op, const at::Tensor& payload, const at::Tensor& lo,
+                           const at::Tensor& step, const at::Tensor* multipliers, int64_t inner,
+                           int64_t bits, int64_t group_size, at::IntArrayRef shape,
+                           at::ScalarType dtype, bool per_sample) {
   check_cpu(payload, op, "payload");
   check_cpu(lo, op, "lo");
   check_cpu(step, op, "step");
@@ -1170,6 +1322,10 @@ at::Tensor dequantize_cpu(const at::Tensor& payload, const at::Tensor& lo, const
   check_bits(bits, op);
   check_group_size(group_size, op);
   check_packed_dtypes(payload, lo, step, op);
+  ChannelScale scale{};
+  at::Tensor mc;
+  if (multipliers != nullptr) mc = channel_scale(op, *multipliers, inner, shape, scale);
+  const ChannelScale* scaled = multipliers != nullptr ? &scale : nullptr;
   at::Tensor out = at::empty(shape, payload.options().dtype(dtype));
   const auto [rows, cols] = rows_and_cols(shape, per_sample);
   if (rows * cols == 0) return out;
@@ -1180,19 +1336,34 @@ at::Tensor dequantize_cpu(const at::Tensor& payload, const at::Tensor& lo, const
   const DequantizeArgs args = dequantize_args(pc, lc, sc, out, rows, cols, group_size, bits);
   switch (dtype) {
     case at::kFloat:
-      dequantize_parallel<float>(args);
+      dequantize_parallel<float>(args, scaled);
       break;
     case at::kHalf:
-      dequantize_parallel<c10::Half>(args);
+      dequantize_parallel<c10::Half>(args, scaled);
       break;
     case at::kBFloat16:
-      dequantize_parallel<c10::BFloat16>(args);
+      dequantize_parallel<c10::BFloat16>(args, scaled);
       break;
     default:
-      dequantize_parallel<double>(args);
+      dequantize_parallel<double>(args, scaled);
       break;
   }
   return out;
+}
+
+at::Tensor dequantize_cpu(const at::Tensor& payload, const at::Tensor& lo, const at::Tensor& step,
+                          int64_t bits, int64_t group_size, at::IntArrayRef shape,
+                          at::ScalarType dtype, bool per_sample) {
+  return dequantize_impl("actcore::dequantize", payload, lo, step, nullptr, 1, bits, group_size,
+                         shape, dtype, per_sample);
+}
+
+at::Tensor dequantize_scaled_cpu(const at::Tensor& payload, const at::Tensor& lo,
+                                 const at::Tensor& step, const at::Tensor& multipliers,
+                                 int64_t inner, int64_t bits, int64_t group_size,
+                                 at::IntArrayRef shape, at::ScalarType dtype, bool per_sample) {
+  return dequantize_impl("actcore::dequantize_scaled", payload, lo, step, &multipliers, inner,
+                         bits, group_size, shape, dtype, per_sample);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> masked_quantize_cpu(const at::Tensor& x,
@@ -1455,7 +1626,11 @@ at::Tensor relu_mask_cpu(const at::Tensor& x) {
 }
 
 // The CPU-only ops (CUDA runs their references, made of the other ops).
-void register_cpu_only(torch::Library& lib) { lib.impl("relu_mask", TORCH_FN(relu_mask_cpu)); }
+void register_cpu_only(torch::Library& lib) {
+  lib.impl("relu_mask", TORCH_FN(relu_mask_cpu));
+  lib.impl("quantize_scaled", TORCH_FN(quantize_scaled_cpu));
+  lib.impl("dequantize_scaled", TORCH_FN(dequantize_scaled_cpu));
+}
 
 actcore_registration::Registration<quantize_cpu, dequantize_cpu, pack_bits_cpu, unpack_bits_cpu,
                                    hash_uniform_cpu, masked_quantize_cpu, masked_dequantize_cpu,

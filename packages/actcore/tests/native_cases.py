@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-OPCHECK_CASES = 17
+OPCHECK_CASES = 20
 
 
 def assert_same(native: torch.Tensor, reference: torch.Tensor, what: str) -> None:
@@ -99,6 +99,7 @@ def opcheck_cases(device: str) -> list[tuple[object, tuple]]:
     relu = torch.relu(torch.randn(3, 70, device=device))
     mask = torch.ops.actcore.pack_bits(relu.ne(0).reshape(-1).view(torch.uint8), 1)
     m_payload, m_lo, m_step = torch.ops.actcore.masked_quantize(relu, mask, 2, 16, True, 4)
+    scales = torch.exp2(-torch.arange(70, device=device) % 5.0)
     return [
         (torch.ops.actcore.quantize.default, (x, 3, 32, True, 5, True)),
         (torch.ops.actcore.quantize.default, (x.half().t(), 2, 8, False, 0, False)),
@@ -120,6 +121,12 @@ def opcheck_cases(device: str) -> list[tuple[object, tuple]]:
         (torch.ops.actcore.masked_quantize_padded.default, (relu.half(), mask, 3, 24, True, 7)),
         (torch.ops.actcore.relu_mask.default, (x,)),
         (torch.ops.actcore.relu_mask.default, (nchw.half(),)),
+        (torch.ops.actcore.quantize_scaled.default, (x, scales, 1, 3, 32, True, 5, True)),
+        (torch.ops.actcore.quantize_scaled.default, (nchw, scales[:3], 20, 2, 8, False, 0, False)),
+        (
+            torch.ops.actcore.dequantize_scaled.default,
+            (payload, lo, step, scales, 1, 3, 32, [3, 70], x.dtype, True),
+        ),
     ]
 
 

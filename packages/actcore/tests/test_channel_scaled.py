@@ -301,3 +301,31 @@ def test_a_converted_norm_reuses_its_exact_channels_between_refreshes() -> None:
             per_step.append(len(exact_finds))
     assert per_step == [1] + [0] * (SCALES_REFRESH - 1) + [1, 0]
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(("shape", "dim"), [((4, 6, 9, 9), 1), ((3, 40, 24), -1)])
+def test_one_pass_packing_is_that_of_the_divided_tensor(dtype, shape, dim):
+    """Over Quantize, the scales are applied inside the quantize and dequantize passes
+    (actcore::quantize_scaled): bit for bit what quantizing ``x / 2**e`` with the exact
+    channels zeroed gives, restored as dequantizing times ``2**e`` does."""
+    from actcore import ops
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(shape, generator=g).to(dtype)
+    x.select(dim, 2).mul_(300)  # an outlier channel: scaled down
+    x.select(dim, 4).fill_(float("inf"))  # the exact channel: kept apart, zero in the packing
+    comp = ChannelScaled(Quantize(3, 64, per_sample=False), dim=dim, exact=1)
+    ops.reset_seed_stream()
+    tensors, meta = comp.pack(x)
+    exponents, kept, top = tensors[3:]
+    assert top.tolist() == [4] and int(exponents.flatten()[2]) > 0
+    scale = torch.exp2(exponents.float()).to(dtype)
+    divided = (x / scale).index_fill(dim, top, 0)
+    ops.reset_seed_stream()
+    want = ops.quantize(divided, 3, group_size=64, per_sample=False)
+    for got, expected in zip(tensors[:3], want.tensors(), strict=True):
+        assert torch.equal(got, expected)
+    expected = (ops.dequantize(want) * scale).index_copy(dim, top, kept)
+    restored = comp.unpack(tensors, meta)
+    assert restored.dtype == dtype and torch.equal(restored, expected)

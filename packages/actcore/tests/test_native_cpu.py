@@ -113,6 +113,75 @@ def test_group_larger_than_the_kernel_chunk(isa):
             _check_round_trip(x, bits, group_size, True, True, "big-groups")
 
 
+def _scaled_cases(dtype: torch.dtype) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+    """(name, x, multipliers, inner): channels along the last dim (fewer and more than a
+    vector's lanes) and along dim 1 (runs shorter and longer than a group), channels-last,
+    ChannelScaled's powers of two with zeros (its exact channels) and arbitrary multipliers,
+    and values the powers of two take below the dtype's normal range."""
+    g = torch.Generator().manual_seed(11)
+    top = 15 if dtype == torch.float16 else 20
+    cases = []
+    for shape, dim in (
+        ((6, 37), 1),
+        ((3, 5, 300), 2),
+        ((2, 7, 9, 9), 1),
+        ((2, 3, 40, 40), 1),
+        ((5, 2000), 1),
+        ((4, 96, 3), 1),
+    ):
+        x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype)
+        channels, inner = shape[dim], math.prod(shape[dim + 1 :])
+        powers = torch.exp2(-torch.randint(0, top + 1, (channels,), generator=g).float())
+        powers[::3] = 0
+        arbitrary = torch.rand(channels, generator=g) * 3
+        name = f"{shape} dim {dim}"
+        cases += [(f"{name} powers", x, powers, inner), (f"{name} arbitrary", x, arbitrary, inner)]
+        if len(shape) == 4:
+            cases.append(
+                (f"{name} channels-last", x.to(memory_format=torch.channels_last), powers, inner)
+            )
+    tiny = torch.randn(4, 64, generator=g, dtype=torch.float64) * torch.finfo(dtype).tiny * 8
+    cases.append(("subnormal", tiny.to(dtype), torch.full((64,), 2.0**-top), 1))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_quantize_and_dequantize_are_bit_exact(isa, dtype):
+    """quantize_scaled is the reference quantize of the channel-multiplied input, and
+    dequantize_scaled the channel-multiplied reference dequantize, bit for bit."""
+    combos = (
+        (2, 256, True, False),
+        (4, 24, True, True),
+        (8, 8, False, False),
+        (1, 512, True, True),
+    )
+    for name, x, mult, inner in _scaled_cases(dtype):
+        inverse = torch.where(mult == 0, torch.ones_like(mult), 1 / mult)
+        for bits, group_size, stochastic, per_sample in combos:
+            what = f"{name} {dtype} bits={bits} G={group_size}"
+            args = (bits, group_size, stochastic, SEED if stochastic else 0, per_sample)
+            got = torch.ops.actcore.quantize_scaled.default(x, mult, inner, *args)
+            scaled = library.channel_multiplied(x, mult, inner)
+            want = quantization.quantize_reference(scaled, *args)
+            for a, b, part in zip(got, want, ("payload", "lo", "step"), strict=True):
+                assert_same(a, b, f"{part} of {what}")
+            shape = list(x.shape)
+            rest = (bits, group_size, shape, x.dtype, per_sample)
+            y = torch.ops.actcore.dequantize_scaled.default(*got, inverse, inner, *rest)
+            ry = quantization.dequantize_reference(*want, *rest)
+            assert_same(y, library.channel_multiplied(ry, inverse, inner, zero=False), what)
+
+
+def test_scaled_ops_name_bad_multipliers(native_cpu):
+    x = torch.randn(4, 6)
+    with pytest.raises(RuntimeError, match="do not tile"):
+        torch.ops.actcore.quantize_scaled(x, torch.ones(5), 1, 2, 8, True, 1, False)
+    with pytest.raises(RuntimeError, match="1-D float32"):
+        torch.ops.actcore.quantize_scaled(x, torch.ones(6).double(), 1, 2, 8, True, 1, False)
+    with pytest.raises(RuntimeError, match="inner must be positive"):
+        torch.ops.actcore.quantize_scaled(x, torch.ones(6), 0, 2, 8, True, 1, False)
+
+
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_pack_and_unpack_bits_are_bit_exact(native_cpu, bits):
     g = torch.Generator().manual_seed(bits)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .base import Compressor, Tensors, Wrapping
+from .quantize import Quantize
 
 __all__ = [
     "OUTLIER_RATIO",
@@ -101,6 +102,15 @@ def _dense(x: torch.Tensor) -> bool:
     return x.is_contiguous() or (
         x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
     )
+
+
+def _inner(x: torch.Tensor, dim: int) -> int:
+    """Elements of ``x`` per channel run along ``dim`` in row-major order."""
+    return _inner_of(x.shape, dim)
+
+
+def _inner_of(shape: Any, dim: int) -> int:
+    return math.prod(shape[dim + 1 :])
 
 
 def _shares_storage(x: torch.Tensor, tensors: Tensors) -> bool:
@@ -375,22 +385,34 @@ class ChannelScaled(Wrapping):
             found = found_scales(x, dim, self.ratio, self.exact, self.amax, self.top)
         exponents, top = found
         extra: tuple[torch.Tensor, ...] = ()
-        scaled = x / _scale(exponents, x.dtype)
-        if self.exact:  # the exact channels, kept apart, are zeros here (whatever they held)
+        if self.exact:  # kept apart: the packed tensor holds zeros there (whatever they held)
             assert top is not None
             extra = (x.index_select(dim, top), top)
-            scaled.index_fill_(dim, top, 0)
-        tensors, meta = self.inner.pack(scaled)
+        if type(self.inner) is Quantize:  # one pass: x times 2**-e (0 at the exact channels)
+            multipliers = torch.exp2(exponents.flatten().neg().float())
+            if self.exact:
+                multipliers.index_fill_(0, top, 0.0)
+            tensors, meta = self.inner.pack_scaled(x, multipliers, _inner(x, dim))
+        else:
+            scaled = x / _scale(exponents, x.dtype)
+            if self.exact:
+                scaled.index_fill_(dim, top, 0)
+            tensors, meta = self.inner.pack(scaled)
         return (*tensors, exponents, *extra), (meta, len(tensors), dim)
 
     def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
         inner_meta, count, dim = meta
         inner = tuple(tensors[:count])
-        x = self.inner.unpack(inner, inner_meta)
-        scale = _scale(tensors[count], x.dtype)
-        # in place on a fresh unpacking (no second tensor of x's size); never on a stored one
-        fresh = _dense(x) and not _shares_storage(x, inner)
-        x = x.mul_(scale) if fresh else x * scale
+        if type(self.inner) is Quantize:  # dequantized and times 2**e in one pass
+            multipliers = torch.exp2(tensors[count].flatten().float())
+            shape = inner_meta[0]
+            x = self.inner.unpack_scaled(inner, inner_meta, multipliers, _inner_of(shape, dim))
+        else:
+            x = self.inner.unpack(inner, inner_meta)
+            scale = _scale(tensors[count], x.dtype)
+            # in place on a fresh unpacking (no second tensor of x's size); never on a stored one
+            fresh = _dense(x) and not _shares_storage(x, inner)
+            x = x.mul_(scale) if fresh else x * scale
         if self.exact:
             kept, top = tensors[count + 1], tensors[count + 2]
             x = x.index_copy_(dim, top, kept.to(x.dtype))

@@ -42,5 +42,27 @@ class Quantize(Compressor):
     def unpack(self, tensors: Tensors, meta: Any) -> torch.Tensor:
         return ops.dequantize(ops.Packed(*tensors, *meta))
 
+    def pack_scaled(
+        self, x: torch.Tensor, multipliers: torch.Tensor, inner: int
+    ) -> tuple[Tensors, Any]:
+        """:meth:`pack` of ``x`` with its channels multiplied first, in one pass
+        (:func:`actcore.ops.quantize_scaled`): what :meth:`unpack_scaled` reverses."""
+        p = ops.quantize_scaled(
+            x,
+            multipliers,
+            inner,
+            self.bits,
+            group_size=self.group_size,
+            stochastic=self.stochastic,
+            per_sample=self.per_sample,
+        )
+        return p.tensors(), (p.shape, p.dtype, p.bits, p.group_size, p.per_sample)
+
+    def unpack_scaled(
+        self, tensors: Tensors, meta: Any, multipliers: torch.Tensor, inner: int
+    ) -> torch.Tensor:
+        """:meth:`unpack` with the channels then multiplied, in one pass."""
+        return ops.dequantize_scaled(ops.Packed(*tensors, *meta), multipliers, inner)
+
     def key(self) -> tuple:
         return (self.name, self.bits, self.group_size, self.per_sample, self.stochastic)

@@ -33,7 +33,7 @@ __all__ = [
 CPU_EXTENSION_NAME = "actcore_native_cpu"
 CPU_SOURCES = ("cpu_kernels.cpp",)
 CPU_HEADERS = ("op_args.h", "op_checks.h", "op_registration.h")
-CPU_ABI_VERSION = 6  # csrc/cpu_kernels.cpp: kAbiVersion
+CPU_ABI_VERSION = 7  # csrc/cpu_kernels.cpp: kAbiVersion
 # Bit-exactness with the reference: no fused multiply-add (GCC contracts by default), no
 # fast-math. The hot loops pick their ISA (baseline, AVX2, AVX-512) at run time: no -march flag,
 # so a cached library runs on any CPU of the architecture.

@@ -64,7 +64,11 @@ OPS = (
     "apply_mask",
     "masked_quantize_padded",
 )
-CPU_ONLY_OPS = ("relu_mask",)  # CPU kernels only: on CUDA their references run
+CPU_ONLY_OPS = (
+    "relu_mask",
+    "quantize_scaled",
+    "dequantize_scaled",
+)  # CPU kernels only: on CUDA their references run
 _OFF = {"0", "off", "false", "no"}
 _ON = {"1", "on", "true", "yes"}
 CPU_DEFAULT_ON = True  # the CPU kernels load on the first op on a CPU tensor

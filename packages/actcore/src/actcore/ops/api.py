@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,7 @@ __all__ = [
     "FLOAT_DTYPES",
     "apply_mask",
     "dequantize",
+    "dequantize_scaled",
     "hash_uniform",
     "masked_dequantize",
     "masked_quantize",
@@ -24,6 +26,7 @@ __all__ = [
     "pack_bits",
     "pack_mask",
     "quantize",
+    "quantize_scaled",
     "relu_mask",
     "reset_seed_stream",
     "unpack_bits",
@@ -115,6 +118,73 @@ def quantize(
         _unlinked(x), bits, group_size, bool(stochastic), seed, bool(per_sample)
     )
     return Packed(payload, lo, step, x.shape, x.dtype, bits, group_size, bool(per_sample))
+
+
+def _check_multipliers(
+    shape: Sequence[int], device: torch.device, multipliers: object, inner: object, what: str
+) -> None:
+    """TypeError / ValueError unless ``multipliers`` (float32, 1-D, on ``device``) and
+    ``inner`` tile a tensor of ``shape`` into channels."""
+    if not isinstance(multipliers, torch.Tensor) or multipliers.dtype != torch.float32:
+        got = multipliers.dtype if isinstance(multipliers, torch.Tensor) else type(multipliers)
+        raise TypeError(f"{what}: multipliers must be a float32 tensor, got {got}")
+    if multipliers.dim() != 1 or multipliers.device != device:
+        raise ValueError(
+            f"{what}: multipliers must be 1-D on {device}, got shape "
+            f"{tuple(multipliers.shape)} on {multipliers.device}"
+        )
+    if isinstance(inner, bool) or not isinstance(inner, int) or inner < 1:
+        raise ValueError(f"{what}: inner must be an int >= 1, got {inner!r}")
+    channels = multipliers.numel()
+    if channels == 0 or math.prod(shape) % (channels * inner):
+        raise ValueError(
+            f"{what}: {channels} channels of {inner} elements do not tile a tensor of "
+            f"shape {tuple(shape)}"
+        )
+
+
+def quantize_scaled(
+    x: torch.Tensor,
+    multipliers: torch.Tensor,
+    inner: int,
+    bits: int,
+    *,
+    group_size: int = 256,
+    stochastic: bool = True,
+    seed: int | None = None,
+    per_sample: bool = True,
+) -> Packed:
+    """:func:`quantize` of ``x`` with each channel multiplied by its multiplier (in ``x``'s
+    dtype; set to 0 where that is 0), without a scaled copy of ``x``: element ``i`` in
+    row-major order lies in channel ``(i // inner) % len(multipliers)``. With powers of two
+    this is exactly ``quantize(x / 2**e)`` (:class:`actcore.compressors.ChannelScaled`)."""
+    _check_input(x, "quantize_scaled")
+    _check_multipliers(x.shape, x.device, multipliers, inner, "quantize_scaled")
+    bits, group_size, seed = _check_options(bits, group_size, stochastic, seed)
+    payload, lo, step = library.quantize_scaled(
+        _unlinked(x), multipliers, inner, bits, group_size, bool(stochastic), seed, bool(per_sample)
+    )
+    return Packed(payload, lo, step, x.shape, x.dtype, bits, group_size, bool(per_sample))
+
+
+def dequantize_scaled(packed: Packed, multipliers: torch.Tensor, inner: int) -> torch.Tensor:
+    """:func:`dequantize` with each channel then multiplied by its multiplier (see
+    :func:`quantize_scaled`; the reciprocals undo it), in one pass."""
+    if not isinstance(packed, Packed):
+        raise TypeError(f"dequantize_scaled expects a Packed, got {type(packed).__name__}")
+    _check_multipliers(packed.shape, packed.payload.device, multipliers, inner, "dequantize_scaled")
+    return library.dequantize_scaled(
+        packed.payload,
+        packed.lo,
+        packed.step,
+        multipliers,
+        inner,
+        packed.bits,
+        packed.group_size,
+        list(packed.shape),
+        packed.dtype,
+        packed.per_sample,
+    )
 
 
 def dequantize(packed: Packed) -> torch.Tensor:

@@ -33,13 +33,16 @@ from .quantization import (
 
 __all__ = [
     "apply_mask",
+    "channel_multiplied",
     "dequantize",
+    "dequantize_scaled",
     "hash_uniform",
     "masked_dequantize",
     "masked_quantize",
     "masked_quantize_padded",
     "pack_bits",
     "quantize",
+    "quantize_scaled",
     "relu_mask",
     "unpack_bits",
 ]
@@ -94,6 +97,85 @@ def dequantize(
 
 @dequantize.register_fake
 def _dequantize_fake(payload, lo, step, bits, group_size, shape, dtype, per_sample):
+    return payload.new_empty(tuple(shape), dtype=dtype)
+
+
+def channel_multiplied(
+    x: torch.Tensor, multipliers: torch.Tensor, inner: int, zero: bool = True
+) -> torch.Tensor:
+    """``x`` with each element of channel ``c`` multiplied by ``multipliers[c]`` in ``x``'s
+    dtype (the multipliers converted to it first), and with ``zero`` set to +0 where that
+    multiplier is 0. Element ``i`` of ``x`` in row-major order lies in channel
+    ``(i // inner) % len(multipliers)``: ``inner`` 1 for channels along the last dim, the
+    product of the sizes after it otherwise."""
+    channels = multipliers.numel()
+    factor = multipliers.to(x.dtype).view(channels, 1)
+    values = x.reshape(-1, channels, inner)
+    product = values * factor
+    if zero:
+        product = torch.where(factor == 0, torch.zeros_like(product), product)
+    return product.reshape(x.shape)
+
+
+def _quantize_scaled_reference(
+    x, multipliers, inner, bits, group_size, stochastic, seed, per_sample
+):
+    scaled = channel_multiplied(x, multipliers, inner)
+    return quantize(scaled, bits, group_size, stochastic, seed, per_sample)
+
+
+@torch.library.custom_op("actcore::quantize_scaled", mutates_args=())
+def quantize_scaled(
+    x: torch.Tensor,
+    multipliers: torch.Tensor,
+    inner: int,
+    bits: int,
+    group_size: int,
+    stochastic: bool,
+    seed: int,
+    per_sample: bool,
+) -> _Tensors3:
+    """``quantize(channel_multiplied(x, multipliers, inner), ...)`` in one pass over ``x``
+    (no scaled copy of it): ``multipliers`` float32, one per channel."""
+    args = (x, multipliers, inner, bits, group_size, stochastic, seed, per_sample)
+    return _dispatch("quantize_scaled", x, _quantize_scaled_reference, *args)
+
+
+@quantize_scaled.register_fake
+def _quantize_scaled_fake(x, multipliers, inner, bits, group_size, stochastic, seed, per_sample):
+    return quantize_fake(x, bits, group_size, stochastic, seed, per_sample)
+
+
+def _dequantize_scaled_reference(
+    payload, lo, step, multipliers, inner, bits, group_size, shape, dtype, per_sample
+):
+    out = dequantize(payload, lo, step, bits, group_size, shape, dtype, per_sample)
+    return channel_multiplied(out, multipliers, inner, zero=False)
+
+
+@torch.library.custom_op("actcore::dequantize_scaled", mutates_args=())
+def dequantize_scaled(
+    payload: torch.Tensor,
+    lo: torch.Tensor,
+    step: torch.Tensor,
+    multipliers: torch.Tensor,
+    inner: int,
+    bits: int,
+    group_size: int,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    per_sample: bool,
+) -> torch.Tensor:
+    """``channel_multiplied(dequantize(...), multipliers, inner, zero=False)`` in one pass
+    (the inverse of :func:`quantize_scaled` with the reciprocal multipliers)."""
+    args = (payload, lo, step, multipliers, inner, bits, group_size, shape, dtype, per_sample)
+    return _dispatch("dequantize_scaled", payload, _dequantize_scaled_reference, *args)
+
+
+@dequantize_scaled.register_fake
+def _dequantize_scaled_fake(
+    payload, lo, step, multipliers, inner, bits, group_size, shape, dtype, per_sample
+):
     return payload.new_empty(tuple(shape), dtype=dtype)
 
 
