@@ -280,7 +280,7 @@ def _forbid_compression(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("compression work on a path that needs no backward")
 
-    for name in ("quantize", "pack_mask", "pack_bits"):
+    for name in ("quantize", "quantize_scaled", "pack_mask", "pack_bits"):
         monkeypatch.setattr(ops, name, refuse)
 
 
@@ -421,3 +421,27 @@ def test_batch_norm_backward_from_the_normalized_input() -> None:
     )
     for a, r in zip(got, ref, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+
+
+def test_stash_tells_its_packings_from_what_it_keeps():
+    """What a Q-layer saves is marked for the saved-tensor hooks: a packing's own tensors
+    (codes, ranges: never a parameter, passed through without looking them up again) apart
+    from the tensors kept as they are (the weight), which the hooks still check."""
+    from actcore.layers import stash as st
+    from actcore.layers.roles import CONV
+
+    model = actcore.convert(nn.Sequential(nn.Linear(64, 64)), level="L3")
+    layer = model[0]
+    x = torch.randn(32, 64)
+
+    class Ctx:
+        def save_for_backward(self, *tensors: torch.Tensor) -> None:
+            self.saved = tensors
+
+    ctx = Ctx()
+    packed, kept = st.stash(ctx, layer, [(x, CONV), (layer.weight, st.IDENTITY)])
+    assert packed.compressor.lossy and len(packed.tensors) >= 3
+    assert all(st.stashed_kind(t) == st.PACKED for t in packed.tensors)
+    assert [st.stashed_kind(t) for t in kept.tensors] == [st.KEPT]
+    assert st.stashed_kind(x) is None and st.is_stashed(layer.weight)
+    assert len(ctx.saved) == len(packed.tensors) + 1

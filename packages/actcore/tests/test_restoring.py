@@ -70,15 +70,21 @@ MODELS = {"llama_block": _llama, "char_gpt": _gpt}
 
 
 def _unpacks(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts of the restorations of Quantize packings (``unpack``, and ``unpack_scaled``
+    under ChannelScaled) and of Derived ones."""
     counts = {"quantize": 0, "derived": 0}
-    for cls, name in ((Quantize, "quantize"), (Derived, "derived")):
-        original = cls.unpack
+    for cls, method, name in (
+        (Quantize, "unpack", "quantize"),
+        (Quantize, "unpack_scaled", "quantize"),
+        (Derived, "unpack", "derived"),
+    ):
+        original = getattr(cls, method)
 
-        def unpack(self, tensors, meta, _original=original, _name=name):
+        def unpack(self, *args, _original=original, _name=name):
             counts[_name] += 1
-            return _original(self, tensors, meta)
+            return _original(self, *args)
 
-        monkeypatch.setattr(cls, "unpack", unpack)
+        monkeypatch.setattr(cls, method, unpack)
     return counts
 
 

@@ -35,6 +35,8 @@ from . import roles
 from .roles import CONV, NARROW_BITS, NORM, role_bits
 
 __all__ = [
+    "KEPT",
+    "PACKED",
     "Scheme",
     "choose",
     "derive",
@@ -55,35 +57,49 @@ __all__ = [
     "remember_packing",
     "source_part",
     "stash",
+    "stashed_kind",
     "top_hooks",
     "unstash",
 ]
+
+
+class _Entry(weakref.ref):
+    """A table entry: a weak reference to its tensor, with the table key, the tensor's
+    version when the record was made, and the record (one object besides the record: each
+    costs the cyclic garbage collector, and a step makes hundreds)."""
+
+    __slots__ = ("key", "record", "version")
+
+    key: int
+    record: dict
+    version: int
 
 
 class _TensorTable:
     """Per-tensor records that vanish with the tensor and go stale when it is modified."""
 
     def __init__(self) -> None:
-        self._items: dict[int, tuple[weakref.ref, int, dict]] = {}
+        self._items: dict[int, _Entry] = {}
+        self._on_dead = self._drop  # (one bound method for every entry's callback)
 
-    def _drop(self, key: int) -> None:
-        self._items.pop(key, None)
+    def _drop(self, entry: _Entry) -> None:
+        if self._items.get(entry.key) is entry:
+            del self._items[entry.key]
 
     def get(self, x: torch.Tensor) -> dict | None:
-        item = self._items.get(id(x))
-        if item is None or item[0]() is not x or item[1] != x._version:
+        entry = self._items.get(id(x))
+        if entry is None or entry() is not x or entry.version != x._version:
             return None
-        return item[2]
+        return entry.record
 
     def setdefault(self, x: torch.Tensor) -> dict:
         found = self.get(x)
         if found is not None:
             return found
-        key = id(x)
-        ref = weakref.ref(x, lambda _ref, key=key: self._drop(key))
-        record: dict = {}
-        self._items[key] = (ref, x._version, record)
-        return record
+        entry = _Entry(x, self._on_dead)
+        entry.key, entry.version, entry.record = id(x), x._version, {}
+        self._items[entry.key] = entry
+        return entry.record
 
     def __len__(self) -> int:
         return len(self._items)
@@ -287,8 +303,12 @@ def stash(
         plan.append((len(part.tensors), part.compressor, part.meta))
         parts.append(part)
         tensors.extend(part.tensors)
-    for t in tensors:  # saved-tensor hooks must keep these as they are: see is_stashed
-        _records.setdefault(t)["stashed"] = True
+        # saved-tensor hooks must keep these as they are: see stashed_kind. A packing's own
+        # tensors are new; a derived one holds other packings' tensors (a weight among them)
+        made = part.compressor is not IDENTITY and not isinstance(part.compressor, Derived)
+        for t in part.tensors:
+            own = made and t is not x and t.data_ptr() != x.data_ptr()
+            _records.setdefault(t)["stashed"] = PACKED if own else KEPT
     ctx.save_for_backward(*tensors)
     ctx.act_plan = plan
     ctx.act_layer = layer
@@ -314,14 +334,25 @@ def note_output(out: Any) -> Any:
     return out
 
 
+KEPT = "kept"
+PACKED = "packed"
+
+
+def stashed_kind(t: torch.Tensor) -> str | None:
+    """How a Q-layer's :func:`stash` saved ``t`` (unchanged since): :data:`PACKED`, a tensor
+    a packing made (codes, ranges, scales: never a parameter, nothing derives from it), or
+    :data:`KEPT`, a tensor saved as it is; None when it did not."""
+    record = _records.get(t)
+    return None if record is None else record.get("stashed")
+
+
 def is_stashed(t: torch.Tensor) -> bool:
     """Whether ``t`` (unchanged since) was saved by a Q-layer through :func:`stash`.
 
     Such a tensor is already packed at the layer's level, or must stay exact (weights,
     normalization statistics, masks): the hooks route passes it through untouched.
     """
-    record = _records.get(t)
-    return record is not None and record.get("stashed", False)
+    return stashed_kind(t) is not None
 
 
 def _pack_once(comp: Compressor, x: torch.Tensor) -> Packing:

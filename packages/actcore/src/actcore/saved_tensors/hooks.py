@@ -332,11 +332,13 @@ class SavedTensorHooks:
             self._compressors[(bits, swap)] = c
         return c
 
-    def _passthrough(self, t: Tensor, note: bool) -> Handle:
+    def _passthrough(self, t: Tensor, note: bool, derivable: bool = True) -> Handle:
+        """``t`` kept as it is; ``note``: counted as saved (not a parameter), and with
+        ``derivable`` recorded as kept, for tensors derived from it to refer to."""
         h = Handle.kept(t)
         if note:
             memory.note_saved(h.tensor)
-            if self.tailored and t.is_floating_point():
+            if derivable and self.tailored and t.is_floating_point():
                 stash.note_kept(t)  # a tensor derived from it may refer to it
         return h
 
@@ -393,7 +395,10 @@ class SavedTensorHooks:
         """A handle on ``t``: kept as it is or packed, by policy and kind."""
         if not isinstance(t, Tensor):
             return t
-        if stash.is_stashed(t):  # a Q-layer packed it already (or needs it exact)
+        kind = stash.stashed_kind(t)
+        if kind == stash.PACKED:  # a Q-layer's packing: counted, nothing else to look up
+            return self._passthrough(t, note=True, derivable=False)
+        if kind is not None:  # a Q-layer keeps it exact
             return self._passthrough(t, note=not is_param_like(t, self._param_ptrs))
         if t.layout != torch.strided or t.is_nested:  # sparse, nested: kept as they are
             return self._passthrough(t, note=not is_param_like(t, self._param_ptrs))
