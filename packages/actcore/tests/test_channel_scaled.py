@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CPU_KERNELS_TURNED_OFF
 
 from actcore.compressors import ChannelScaled, Quantize
 from actcore.compressors.channel_scaled import (
@@ -303,12 +304,25 @@ def test_a_converted_norm_reuses_its_exact_channels_between_refreshes() -> None:
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.fixture(params=["kernels", "reference"])
+def cpu_path(request):
+    """The CPU kernels where this machine builds them, then the ops' pure-PyTorch references."""
+    from actcore.native import loader
+
+    before = loader.set_cpu_kernels(request.param == "kernels", warn=False)
+    try:
+        yield request.param
+    finally:  # (not loaded before is not off: the default loads them on first use)
+        loader.set_cpu_kernels(before or not CPU_KERNELS_TURNED_OFF, warn=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize(("shape", "dim"), [((4, 6, 9, 9), 1), ((3, 40, 24), -1)])
-def test_one_pass_packing_is_that_of_the_divided_tensor(dtype, shape, dim):
+def test_one_pass_packing_is_that_of_the_divided_tensor(dtype, shape, dim, cpu_path):
     """Over Quantize, the scales are applied inside the quantize and dequantize passes
     (actcore::quantize_scaled): bit for bit what quantizing ``x / 2**e`` with the exact
-    channels zeroed gives, restored as dequantizing times ``2**e`` does."""
+    channels zeroed gives, restored as dequantizing times ``2**e`` does; with the CPU
+    kernels and with the references."""
     from actcore import ops
 
     g = torch.Generator().manual_seed(5)
