@@ -104,12 +104,8 @@ def _dense(x: torch.Tensor) -> bool:
     )
 
 
-def _inner(x: torch.Tensor, dim: int) -> int:
-    """Elements of ``x`` per channel run along ``dim`` in row-major order."""
-    return _inner_of(x.shape, dim)
-
-
-def _inner_of(shape: Any, dim: int) -> int:
+def _inner(shape: Any, dim: int) -> int:
+    """Elements per channel run along ``dim`` of a tensor of ``shape``, in row-major order."""
     return math.prod(shape[dim + 1 :])
 
 
@@ -392,7 +388,7 @@ class ChannelScaled(Wrapping):
             multipliers = torch.exp2(exponents.flatten().neg().float())
             if self.exact:
                 multipliers.index_fill_(0, top, 0.0)
-            tensors, meta = self.inner.pack_scaled(x, multipliers, _inner(x, dim))
+            tensors, meta = self.inner.pack_scaled(x, multipliers, _inner(x.shape, dim))
         else:
             scaled = x / _scale(exponents, x.dtype)
             if self.exact:
@@ -405,8 +401,7 @@ class ChannelScaled(Wrapping):
         inner = tuple(tensors[:count])
         if type(self.inner) is Quantize:  # dequantized and times 2**e in one pass
             multipliers = torch.exp2(tensors[count].flatten().float())
-            shape = inner_meta[0]
-            x = self.inner.unpack_scaled(inner, inner_meta, multipliers, _inner_of(shape, dim))
+            x = self.inner.unpack_scaled(inner, inner_meta, multipliers, _inner(inner_meta[0], dim))
         else:
             x = self.inner.unpack(inner, inner_meta)
             scale = _scale(tensors[count], x.dtype)

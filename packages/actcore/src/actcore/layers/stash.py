@@ -307,7 +307,7 @@ def stash(
         # tensors are new; a derived one holds other packings' tensors (a weight among them)
         made = part.compressor is not IDENTITY and not isinstance(part.compressor, Derived)
         for t in part.tensors:
-            own = made and t is not x and t.data_ptr() != x.data_ptr()
+            own = made and t.data_ptr() != x.data_ptr()  # (x itself, or its memory: kept)
             _records.setdefault(t)["stashed"] = PACKED if own else KEPT
     ctx.save_for_backward(*tensors)
     ctx.act_plan = plan

@@ -113,7 +113,7 @@ def channel_multiplied(
     values = x.reshape(-1, channels, inner)
     product = values * factor
     if zero:
-        product = torch.where(factor == 0, torch.zeros_like(product), product)
+        product.masked_fill_(factor == 0, 0)  # (in place: no second tensor of x's size)
     return product.reshape(x.shape)
 
 
