@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from ..layers.base import ConvertedLayer, run_outside_compile
 from ..saved_tensors.op_mode import call_outside_modes
 from . import functional as FB
 from .functional import DEFAULT_BITS
@@ -40,12 +42,28 @@ __all__ = [
 ]
 
 
-class FewBitActivation(nn.Module):
-    """Mixin: the ``bits`` attribute and its ``repr``."""
+class FewBitActivation(ConvertedLayer, nn.Module):
+    """Mixin: the ``bits`` attribute and its ``repr``.
+
+    Under torch.compile inside a converted model's scope it is traced as the torch module it
+    subclasses: the scope's saved-tensor hooks, inlined into the compiled graph, pack what
+    that saves (as for the Q-layers). Anywhere else a compiled model runs it eagerly (a
+    graph break), with its few-bit derivative."""
 
     bits: int
+    _torch_forward: Any = None  # the torch class's forward (set per subclass)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        torch_classes = [c for c in cls.__mro__ if c.__module__.startswith("torch.nn.")]
+        found = [c for c in torch_classes if c is not nn.Module and "forward" in vars(c)]
+        cls._torch_forward = found[0].forward if found else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            if self.act_in_scope and self._torch_forward is not None:
+                return self._torch_forward(*args, **kwargs)
+            return run_outside_compile(super().__call__, args, kwargs)  # type: ignore[misc]
         # its own tailored treatment: a converted model's functional-op router stays out
         return call_outside_modes(super().__call__, args, kwargs)  # type: ignore[misc]
 

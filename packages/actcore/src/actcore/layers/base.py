@@ -16,6 +16,7 @@ from .stash import Scheme, layer_spec, needs_saving
 __all__ = [
     "ConvertedLayer",
     "QLayer",
+    "run_outside_compile",
     "unsupported_reason",
 ]
 
@@ -75,7 +76,7 @@ class QLayer(ConvertedLayer):
                 return recomputed(super().__call__, *args, **kwargs)  # type: ignore[misc]
             if self.act_in_scope or not packs:
                 return super().__call__(*args, **kwargs)  # type: ignore[misc]
-            return _outside_compile(super().__call__, args, kwargs)  # type: ignore[misc]
+            return run_outside_compile(super().__call__, args, kwargs)  # type: ignore[misc]
         if transforms_active():
             self._check_transformable()
         return call_outside_modes(super().__call__, args, kwargs)  # type: ignore[misc]
@@ -102,8 +103,8 @@ class QLayer(ConvertedLayer):
 
 
 @torch.compiler.disable
-def _outside_compile(call: Any, args: tuple, kwargs: dict) -> Any:
-    """``call`` run eagerly under torch.compile (a graph break): a Q-layer's own
+def run_outside_compile(call: Any, args: tuple, kwargs: dict) -> Any:
+    """``call`` run eagerly under torch.compile (a graph break): a converted layer's own
     compression, with its identity tables and fresh seeds, which a trace would freeze."""
     return call_outside_modes(call, args, kwargs)
 
