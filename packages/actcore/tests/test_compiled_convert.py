@@ -334,6 +334,41 @@ def test_bf16_autocast_forward_is_the_compiled_plain_one() -> None:
     assert torch.equal(outs[0], outs[1])
 
 
+def test_composes_with_the_partitioners_memory_budget() -> None:
+    """Under ``activation_memory_budget`` the partitioner saves fewer tensors and recomputes
+    from them in backward; the hooks pack what it saves, except where backward replays a
+    mask, an argmax or a convolution from it (there a rounded copy would decide them anew:
+    the image a ResNet's first convolution is replayed from). The forward is the compiled
+    plain model's under the same budget."""
+    base, args, loss = _resnet()
+    runs = {}
+    for name, budget in (("plain", 0.5), ("act", 1.0), ("act", 0.5)):
+        model = copy.deepcopy(base)
+        if name == "act":
+            actcore.convert(model, "L3")
+        torch._dynamo.reset()
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            fn = torch.compile(model, backend="aot_eager_decomp_partition")
+            loss(fn(*args)).backward()  # (compiles)
+            torch.manual_seed(3)
+            out = fn(*args)
+            held = profiled_bytes(lambda fn=fn: loss(fn(*args)))[1]
+            model.zero_grad(set_to_none=True)
+            loss(fn(*args)).backward()
+        runs[name, budget] = out, held, _grads(model).double()
+    eager = copy.deepcopy(base)
+    exact = _step(eager, eager, args, loss)
+    plain_out, plain_held, plain_grads = runs["plain", 0.5]
+    out, held, grads = runs["act", 0.5]
+    assert torch.equal(out, plain_out)
+    assert plain_held > 3 * held, (plain_held, held)  # measured 3.8x (2026-11-29)
+    assert held <= runs["act", 1.0][1], (held, runs["act", 1.0][1])
+    assert F.cosine_similarity(plain_grads, exact.double(), 0) > 0.9999
+    # measured 0.977 (2026-11-29); 0.63 when the image was packed at 2 bits and the first
+    # convolution, its norm's statistics, its ReLU's mask and the max pool replayed from it
+    assert F.cosine_similarity(grads, plain_grads, 0) > 0.95
+
+
 class _CheckpointedMLPs(nn.Module):
     """Pre-norm GELU MLP blocks, each run through non-reentrant checkpointing in forward."""
 

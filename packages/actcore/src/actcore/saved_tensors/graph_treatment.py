@@ -155,6 +155,13 @@ _REDUCTIONS = _packets(
 _POINTWISE = _packets(
     "add", "sub", "mul", "div", "rsqrt", "sqrt", "reciprocal", "pow", "neg", "clamp", "clamp_min"
 )
+# forward ops that backward replays only where the partitioner chose to recompute them (with
+# ``activation_memory_budget``): a mask or an argmax decided again, or a convolution whose
+# output a norm, a mask and the next layers read
+_REPLAYED_SELECTIONS = _packets(
+    "relu", "relu_", "threshold", "hardtanh", "convolution", "max_pool1d_with_indices",
+    "max_pool2d_with_indices", "max_pool3d_with_indices",
+)  # fmt: skip
 
 
 def _packet(target: Any) -> Any:
@@ -307,6 +314,22 @@ def _reached(starts: list[Any], found: Any, depth: int = 4) -> bool:
         if any(found(op, user) for op, user, *_ in uses):
             return True
         nodes = [user for op, user, *_ in uses if op in _POINTWISE]
+    return False
+
+
+def _replays_a_selection(starts: list[Any], depth: int = 4) -> bool:
+    """Whether backward replays a ReLU's mask, a max pool's argmax or a convolution from the
+    nodes ``starts`` (directly, or through elementwise ops and norms it replays too)."""
+    nodes = list(starts)
+    for _ in range(depth):
+        uses = _uses(nodes)
+        if any(op in _REPLAYED_SELECTIONS for op, *_ in uses):
+            return True
+        nodes = [
+            user
+            for op, user, *_ in uses
+            if op in _POINTWISE or op in _BATCH_NORMS or op in _ROW_NORMS or op is operator.getitem
+        ]
     return False
 
 
@@ -631,6 +654,10 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
         return Treatment("keep", why="a softmax's input (logits)")
     if policy.exact_ops and _reached(starts, lambda op, _: op in _PERIODIC):
         return Treatment("keep", why="read through sin or cos in backward")
+    if _replays_a_selection(starts):
+        # the partitioner recomputes from it (activation_memory_budget): a mask, an argmax or
+        # a convolution decided again from a rounded copy would differ from the forward's
+        return Treatment("keep", why="backward replays a mask, an argmax or a convolution")
     consumers = _uses(starts)
     relu = producer in _RELUS
     linear = True
