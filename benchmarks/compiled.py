@@ -1,7 +1,8 @@
 """ACT inside torch.compile, side by side in one run per model: eager plain, compiled plain,
 compiled plain with PyTorch's float8 activation pass, compiled plain with
-``activation_memory_budget=0.5``, eager ACT (``compress_saved_tensors``) and compiled ACT (the
-same context around the compiled model: its pack and unpack inlined into the graphs); with
+``activation_memory_budget=0.5``, eager ACT (``compress_saved_tensors``), compiled ACT (the
+same context around the compiled model: its pack and unpack inlined into the graphs) and
+compiled ACT under the same budget (what the partitioner keeps, ACT packs); with
 ``--route convert``, ACT is ``actcore.convert(model, level)`` (eager, and compiled into one
 graph).
 
@@ -40,6 +41,7 @@ VARIANTS = (
     "compiled+budget0.5",
     "eager-act",
     "compiled-act",
+    "compiled-act+budget0.5",
 )
 
 
@@ -107,7 +109,7 @@ def compile_config(variant: str) -> Any:
     """The inductor / partitioner settings of ``variant`` while it compiles and runs."""
     if variant == "compiled+float8":
         return compile_settings("float8")
-    if variant == "compiled+budget0.5":
+    if variant.endswith("+budget0.5"):
         return compile_settings("budget", 0.5)
     return compile_settings(None)
 
@@ -117,7 +119,7 @@ def measure(
 ) -> dict:
     model, loss_of = build(name, device)
     model.train()
-    act = variant.endswith("-act")
+    act = "-act" in variant
     if act and route == "convert":  # the layer route: Q-layers and the model's scope
         model = actcore.convert(model, level)
     runner: Any = torch.compile(model) if variant.startswith("compiled") else model
@@ -230,7 +232,8 @@ def _write(args: argparse.Namespace, rows: list[dict]) -> None:
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python benchmarks/compiled.py "
-        f"--models {args.models} --route {args.route} --level {args.level} "
+        f"--models {args.models} --variants {args.variants} --route {args.route} "
+        f"--level {args.level} "
         f"--repeats {args.repeats}",
         "rows": rows,
     }
