@@ -142,6 +142,19 @@ def _is_one_of(func: Any, functions: frozenset) -> bool:
         return False
 
 
+def _draws_dropout(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether an attention call draws dropout. Recomputed in a checkpoint, it would have
+    the compiled forward save torch's random state for backward's replay, a saved tensor
+    AOTAutograd's inlining of saved-tensor hooks fails on (it finds no backward input of its
+    name); such a call is traced as it is, its saved tensors packed like any other."""
+    if func is F.multi_head_attention_forward:
+        p = kwargs.get("dropout_p", args[10] if len(args) > 10 else 0.0)
+        training = kwargs.get("training", args[13] if len(args) > 13 else True)
+        return bool(training) and p != 0
+    p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)  # (sdpa)
+    return p != 0
+
+
 def wants_grad(*tensors: Any) -> bool:
     """Grad mode is on and one of ``tensors`` requires grad (a routed call saves)."""
     return torch.is_grad_enabled() and any(
@@ -269,9 +282,11 @@ class OpMode(ExactOps):
             # Dynamo traces this mode: compiled graphs get their treatment from the graphs
             # inlined into them (actcore.saved_tensors.compiled), not from per-call state;
             # attention is recomputed in backward from its saved (packed) q, k, v
-            if (self.recompute_attention and _is_one_of(func, ATTENTION_FUNCTIONS)) or (
-                self.recompute_derived and _is_one_of(func, DERIVED_OUTPUTS)
-            ):
+            if (
+                self.recompute_attention
+                and _is_one_of(func, ATTENTION_FUNCTIONS)
+                and not _draws_dropout(func, args, kwargs)
+            ) or (self.recompute_derived and _is_one_of(func, DERIVED_OUTPUTS)):
                 return recomputed(func, *args, **kwargs)
             return func(*args, **kwargs)
         if self.suspended is not None and self.suspended():
