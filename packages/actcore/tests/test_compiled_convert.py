@@ -369,6 +369,32 @@ def test_composes_with_the_partitioners_memory_budget() -> None:
     assert F.cosine_similarity(grads, plain_grads, 0) > 0.95
 
 
+def _plain_and_converted(
+    base: nn.Module, x: torch.Tensor
+) -> dict[str, tuple[torch.Tensor, int, torch.Tensor]]:
+    """``base`` (a module returning its loss) compiled with ``fullgraph=True`` as it is and
+    converted at L3 (checked to be one graph): per variant, the forward under seed 3, the
+    bytes one forward keeps (profiler) and the gradients of one step after compiling."""
+    runs = {}
+    for name in ("plain", "act"):
+        model = copy.deepcopy(base)
+        if name == "act":
+            actcore.convert(model, "L3")
+            torch._dynamo.reset()
+            explained = torch._dynamo.explain(model)(x)
+            assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+        torch._dynamo.reset()
+        fn = torch.compile(model, fullgraph=True, backend=BACKEND)
+        fn(x).backward()  # (compiles)
+        torch.manual_seed(3)
+        out = fn(x)
+        held = profiled_bytes(lambda fn=fn: fn(x))[1]
+        model.zero_grad(set_to_none=True)
+        fn(x).backward()
+        runs[name] = out, held, _grads(model).double()
+    return runs
+
+
 class _DropoutAttention(nn.Module):
     """Causal self-attention with attention dropout (GPT-2's, BERT's and T5's in training)."""
 
@@ -393,20 +419,7 @@ def test_attention_that_draws_dropout_compiles() -> None:
     AOTAutograd's inlining of the hooks failed (a converted GPT-2, BERT or T5 in training did
     not compile). One graph, the compiled plain forward under one seed, fewer bytes."""
     torch.manual_seed(0)
-    base = _DropoutAttention()
-    x = torch.randn(4, 64, 64)
-    runs = {}
-    for name in ("plain", "act"):
-        model = copy.deepcopy(base)
-        if name == "act":
-            actcore.convert(model, "L3")
-        torch._dynamo.reset()
-        fn = torch.compile(model, fullgraph=True, backend=BACKEND)
-        fn(x).backward()  # (compiles)
-        torch.manual_seed(3)
-        out = fn(x)
-        held = profiled_bytes(lambda fn=fn: fn(x))[1]
-        runs[name] = out, held, _grads(model)
+    runs = _plain_and_converted(_DropoutAttention(), torch.randn(4, 64, 64))
     assert torch.equal(runs["act"][0], runs["plain"][0])
     assert torch.isfinite(runs["act"][2]).all()
     assert runs["plain"][1] > 2 * runs["act"][1], (runs["plain"][1], runs["act"][1])
@@ -435,23 +448,7 @@ def test_checkpointing_inside_the_compiled_region() -> None:
     """Blocks checkpointed inside the compiled forward: one graph, the forward the compiled
     plain model's, what the graph saves (the blocks' inputs) packed, gradients close."""
     torch.manual_seed(0)
-    base = _CheckpointedMLPs()
-    x = torch.randn(8, 128, 64)
-    runs = {}
-    for name in ("plain", "act"):
-        model = copy.deepcopy(base)
-        if name == "act":
-            actcore.convert(model, "L3")
-            torch._dynamo.reset()
-            explained = torch._dynamo.explain(model)(x)
-            assert (explained.graph_count, explained.graph_break_count) == (1, 0)
-        torch._dynamo.reset()
-        fn = torch.compile(model, fullgraph=True, backend=BACKEND)
-        fn(x).backward()  # (compiles)
-        out, held = profiled_bytes(lambda fn=fn: fn(x))
-        model.zero_grad(set_to_none=True)
-        fn(x).backward()
-        runs[name] = out, held, _grads(model).double()
+    runs = _plain_and_converted(_CheckpointedMLPs(), torch.randn(8, 128, 64))
     assert torch.equal(runs["act"][0], runs["plain"][0])
     assert runs["plain"][1] > 2 * runs["act"][1], (runs["plain"][1], runs["act"][1])
     # measured 0.9992 on this seed (2026-11-29)
