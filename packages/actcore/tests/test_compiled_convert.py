@@ -459,6 +459,34 @@ def test_checkpointing_inside_the_compiled_region() -> None:
     assert F.cosine_similarity(runs["act"][2], runs["plain"][2], 0) > 0.99
 
 
+@pytest.mark.parametrize(("name", "floor"), [("resnet18", 0.9), ("gpt", 0.97)])
+def test_bf16_autocast_keeps_the_weights_exact(
+    monkeypatch: pytest.MonkeyPatch, name: str, floor: float
+) -> None:
+    """Under autocast a weight reaches its convolution or matrix product as a bf16 copy made
+    inside the graph, which the graph saves: kept exact, as the layer route keeps weights
+    (packed at the level's bits, a ResNet-18's gradient cosine was 0.05)."""
+    spy = _Spy(monkeypatch)
+    base, args, loss = MODELS[name]()
+    grads = []
+    for level in (None, "L3"):
+        model = copy.deepcopy(base)
+        if level is not None:
+            actcore.convert(model, level)
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend=BACKEND)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.manual_seed(1)
+            out = loss(fn(*args))
+        out.float().backward()
+        grads.append(_grads(model).double())
+    weights = {tuple(p.shape[::k]) for p in base.parameters() if p.dim() > 1 for k in (1, -1)}
+    packed = {shape for shape, how in spy.seen if how.bits is not None}
+    assert not weights & packed, weights & packed
+    # measured 2026-11-29: resnet18 0.957, gpt 0.984 (weights packed: 0.054 and 0.965)
+    assert F.cosine_similarity(grads[0], grads[1], 0) > floor
+
+
 def test_layers_only_still_compresses_when_compiled() -> None:
     """Without a scope (``layers_only=True``) nothing would pack a compiled graph's saves:
     its Q-layers and few-bit activations run eagerly, compressing, between graphs."""

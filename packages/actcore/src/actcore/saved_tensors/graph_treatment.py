@@ -186,6 +186,22 @@ def _producer(node: Any) -> tuple[Any, int | None]:
     return None, None
 
 
+_CONVERT = getattr(getattr(torch.ops, "prims", None), "convert_element_type", None)
+
+
+def _copy_of_input(node: Any) -> bool:
+    """Whether ``node`` is not a graph input but a cast or view of one: under autocast, a
+    weight's lower-precision copy (the layer route keeps weights exact), or the batch's."""
+    if node.op == "placeholder":
+        return False
+    while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+        op = _packet(node.target)
+        if op not in _VIEWS and (_CONVERT is None or op is not _CONVERT):
+            return False
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
 def _numel(node: Any) -> Any:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return val.numel() if isinstance(val, Tensor) else None
@@ -635,6 +651,8 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
             "quantize", max(policy.bits, policy.nonlinear_bits), why="no graph context"
         )
     node = context["_node"]
+    if _copy_of_input(node):
+        return Treatment("keep", why="a cast or view of a graph input (a weight under autocast)")
     values = _two_constants(node, x.dtype)
     if values is not None:
         return Treatment("select", why="one of two constants chosen by a bool", values=values)
