@@ -254,7 +254,12 @@ def _pack_graph(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) 
             parts["exact"], parts["index"] = x.index_select(-1, index).permute(order), index
             data = x.index_fill(-1, index, 0).permute(order)  # the rest without the outliers
         channels = order.index(how.channel_dim % x.dim()) if x.dim() else 0
-        if how.kind == "quantize" and _groups_mix_channels(data, channels, policy.group_size):
+        if how.normalized:  # (each channel centred and scaled: its rounding step follows its
+            # spread over the batch, not its magnitude; a few values per channel with a large
+            # mean otherwise came back with an error the norm's 1 / std multiplies)
+            parts["centre"], parts["scale"] = _channel_spread(data, channels)
+            data = (data - parts["centre"]) / parts["scale"]
+        elif how.kind == "quantize" and _groups_mix_channels(data, channels, policy.group_size):
             parts["scale"] = _channel_scale(data, channels)
             data = data / parts["scale"]
         parts["payload"], parts["lo"], parts["step"] = _quantize(data, how.bits, policy.group_size)
@@ -287,6 +292,18 @@ def _channel_scale(data: Tensor, dim: int) -> Tensor:
     amax = data.detach().abs().amax(others, keepdim=True).float()
     tiny = torch.finfo(data.dtype).tiny  # (an all-zero channel: a scale the dtype holds)
     return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(tiny)))).to(data.dtype)
+
+
+def _channel_spread(data: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """Per channel of ``data`` along ``dim``: its mean, and a power of two at least its
+    standard deviation (shaped to broadcast against ``data``). ``(data - mean) / scale`` is
+    then within a few units whatever the channel's magnitude; a power of two divides and
+    multiplies exactly, so stochastic rounding stays unbiased."""
+    others = [d for d in range(data.dim()) if d != dim]
+    var, mean = torch.var_mean(data.detach().float(), others, correction=0, keepdim=True)
+    tiny = torch.finfo(data.dtype).tiny  # (a constant channel: a scale the dtype holds)
+    scale = torch.exp2(torch.ceil(torch.log2(var.sqrt().clamp_min(tiny))))
+    return mean.to(data.dtype), scale.to(data.dtype)
 
 
 def _pack_mask(x: Tensor) -> Tensor:
@@ -337,6 +354,8 @@ def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
         return (torch.log(values.clamp_min(0)) + parts["shift"]).permute(inverse)
     if "scale" in parts:
         values = values * parts["scale"]
+    if "centre" in parts:
+        values = values + parts["centre"]
     if kind == "relu":  # the ReLU's zeros exactly, the rest at least kept_floor (positive)
         keep = _unpack_mask(parts["mask"], numel).view(shape)
         values = torch.where(keep, values.clamp_min(kept_floor(dtype)), torch.zeros_like(values))

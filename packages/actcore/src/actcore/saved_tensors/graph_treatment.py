@@ -619,7 +619,10 @@ class Treatment:
     the last dim (those of largest magnitude) are kept exact beside the quantized rest;
     ``channel_dim``: the dim whose channels a quantized tensor is scaled by (each to its own
     range, where its quantization groups would mix channels): dim 1 of what convolutions,
-    batch norms and pools read, else the last."""
+    batch norms and pools read, else the last; ``normalized``: a batch norm's input, packed
+    as its channels normalized by their mean and spread over the batch (what the level's
+    bits for it assume, :func:`~actcore.layers.roles.batch_norm_bits`; the layer route keeps
+    the normalized input too)."""
 
     kind: str
     bits: int | None = None
@@ -628,6 +631,7 @@ class Treatment:
     channel_dim: int = -1  # the dim of its channels (1: a convolution's [N, C, *spatial])
     dtype: torch.dtype | None = None  # what an "index" is stored as
     values: tuple[float, float] | None = None  # a "select"'s two values (where set, where not)
+    normalized: bool = False
 
 
 def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) -> Treatment:
@@ -740,7 +744,15 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
             if kind == "relu":
                 exact = 0
             why = f"a {'/'.join(sorted(inputs))} input"
-            return Treatment(kind, bits, why=why, exact_features=exact, channel_dim=channels)
+            normalized = kind == "quantize" and inputs == {"batch_norm"} and x.dim() >= 2
+            return Treatment(
+                kind,
+                bits,
+                why=why,
+                exact_features=exact,
+                channel_dim=channels,
+                normalized=normalized,
+            )
     if linear and producer not in _PROBABILITIES:
         return Treatment(kind, policy.bits, why="read by products only", channel_dim=channels)
     bits = max(policy.bits, policy.nonlinear_bits, floor)
