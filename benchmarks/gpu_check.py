@@ -20,7 +20,9 @@ checkpointing + ACT), ``profile`` (host against kernel time of an L3 step, top o
 its exact bytes beside checkpointing alone: bytes held against the budget, peak, tokens/s),
 ``peak-trace`` (where a batch-512 step peaks), ``max-batch-*`` (ResNet-50's largest batch,
 plain, checkpointing, L3), ``budget`` (fit_budget's plans on a step's peak and max_batch at the
-default budget, against what a step allocates). Output: ``DIR/gpu-check.json`` and ``DIR/gpu-check.txt``.
+default budget, against what a step allocates), ``compiled`` (ResNet-50 under
+``torch.compile``, bf16 autocast: compiled plain against compiled L3, step time, bytes kept,
+gradient cosine). Output: ``DIR/gpu-check.json`` and ``DIR/gpu-check.txt``.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ PARTS: list[tuple[str, int]] = [
     ("max-batch-ckpt", 40),
     ("max-batch-L3", 60),
     ("budget", 240),
+    ("compiled", 300),
 ]
 
 
@@ -551,6 +554,49 @@ def _resnet_row(
         step, device, done=INTERVAL if dry else 3 + repeats, steps=2 if dry else INTERVAL
     )
     rows.append(row)
+
+
+def part_compiled(dry: bool, out: Path) -> dict[str, Any]:
+    """ResNet-50 (the dry run: ResNet-18, ``aot_eager``) compiled as it is and converted at
+    L3, bf16 autocast: the median step after the two that compile, the bytes one forward
+    keeps, and the converted model's gradient cosine to the plain one's on one batch (the
+    compile issue's GPU target: compiled L3 within 1.1x compiled plain)."""
+    import torch
+
+    device = _device(dry)
+    batch, size, repeats = (2, 32, 1) if dry else (64, 224, 10)
+    backend = "aot_eager" if dry else "inductor"
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+    rows: list[dict[str, Any]] = []
+    grads = []
+    for variant in ("fp", "L3"):
+        model = _resnet(variant, device, dry)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend)
+        step = _classifier_step(compiled, x, y, device)
+        t0 = time.perf_counter()
+        for _ in range(2):  # (compiles forward and backward)
+            step()
+        _sync(device)
+        row: dict[str, Any] = {"variant": variant, "batch": batch, "backend": backend}
+        row["compile_s"] = time.perf_counter() - t0
+        row["held_bytes"] = _held(compiled, x, device)
+        row["step_time_s"] = _median_time(step, device, repeats)
+        torch.manual_seed(1)
+        step()
+        grads.append(torch.cat([p.grad.flatten().double() for p in model.parameters()]))
+        rows.append(row)
+        _write(out / "part-compiled.partial.json", rows)
+        del model, compiled
+        _free(device)
+    fp = rows[0]
+    for row, g in zip(rows, grads, strict=True):
+        row["step_vs_fp"] = row["step_time_s"] / fp["step_time_s"]
+        row["grad_cosine"] = float(torch.nn.functional.cosine_similarity(g, grads[0], 0))
+        if fp["held_bytes"]:
+            row["held_ratio_fp"] = fp["held_bytes"] / row["held_bytes"]
+    return {"rows": rows}
 
 
 def _llama(variant: str, device: Any, dry: bool) -> Any:
@@ -1042,6 +1088,7 @@ PART_FUNCS: dict[str, Callable[[bool, Path], dict[str, Any]]] = {
     "max-batch-L3": lambda dry, out: _max_batch("L3", dry, out),
     "budget": part_budget,
     "plan-time": part_plan_time,
+    "compiled": part_compiled,
 }
 
 
@@ -1077,6 +1124,13 @@ def summary(results: dict[str, Any]) -> list[str]:
             f"llama {row['variant']:9s} held {row['held_bytes'] / 2**20:8.1f} MiB "
             f"x{row['held_ratio_sdpa']:.2f} (vs ckpt x{row['held_ratio_ckpt']:.2f}) "
             f"cos {row['grad_cosine']:.4f} step x{row['step_vs_sdpa']:.2f}"
+        )
+    for row in ((get("compiled") or {}).get("result") or {}).get("rows", []):
+        ratio = row.get("held_ratio_fp")
+        lines.append(
+            f"compiled resnet50 {row['variant']:3s} step {row['step_time_s'] * 1e3:8.1f} ms "
+            f"x{row['step_vs_fp']:.2f} (target <= 1.1)  cos {row['grad_cosine']:.4f}"
+            + (f"  held x{ratio:.2f}" if ratio else "")
         )
     batches = {}
     for variant in ("fp", "ckpt", "L3"):

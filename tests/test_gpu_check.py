@@ -78,6 +78,10 @@ def test_dry_run_results_have_the_committed_format(dry_run) -> None:
     sync = parts["sync"]  # counted on CUDA only; the dry run steps both models
     assert set(sync) >= {"fp", "L3", "syncs"} and sync["syncs"] is None
     assert "max batch: fp 4, ckpt 4, L3 4" in text
+    compiled = parts["compiled"]["rows"]
+    assert [r["variant"] for r in compiled] == ["fp", "L3"]
+    assert compiled[0]["grad_cosine"] == pytest.approx(1.0) and compiled[1]["grad_cosine"] > 0.5
+    assert len([line for line in lines if line.startswith("compiled resnet50 ")]) == 2
 
 
 def test_a_part_past_its_cap_is_recorded_as_a_timeout(tmp_path) -> None:
