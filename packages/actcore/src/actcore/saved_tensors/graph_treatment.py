@@ -189,17 +189,31 @@ def _producer(node: Any) -> tuple[Any, int | None]:
 _CONVERT = getattr(getattr(torch.ops, "prims", None), "convert_element_type", None)
 
 
-def _copy_of_input(node: Any) -> bool:
-    """Whether ``node`` is not a graph input but a cast or view of one: under autocast, a
-    weight's lower-precision copy (the layer route keeps weights exact), or the batch's."""
-    if node.op == "placeholder":
-        return False
-    while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
-        op = _packet(node.target)
-        if op not in _VIEWS and (_CONVERT is None or op is not _CONVERT):
+_WEIGHT_ARGUMENT = {  # where a product takes its weight
+    **dict.fromkeys(_packets("convolution", "_convolution", "mm", "bmm", "matmul", "linear"), 1),
+    **dict.fromkeys(_packets("addmm", "baddbmm"), 2),
+}
+
+
+def _copied_weight(node: Any) -> bool:
+    """Whether ``node`` is a cast or view of a graph input (not the input itself) that the
+    forward reads as a product's weight: under autocast, a weight's lower-precision copy,
+    which the graph saves for backward (the layer route keeps weights exact). A parameter
+    is a graph input (not packed); a copy made inside the graph is not, and was."""
+    chain = []
+    source = node
+    while source.op == "call_function" and source.args:
+        op = _packet(source.target)
+        if not isinstance(source.args[0], torch.fx.Node) or (
+            op not in _VIEWS and (_CONVERT is None or op is not _CONVERT)
+        ):
             return False
-        node = node.args[0]
-    return node.op == "placeholder"
+        chain.append(source)
+        source = source.args[0]
+    if not chain or source.op != "placeholder":
+        return False
+    # (what is saved may be a view made for backward alone: the copy's other uses tell)
+    return any(_WEIGHT_ARGUMENT.get(op) == pos for op, _, pos, _ in _uses(chain[-1:]))
 
 
 def _numel(node: Any) -> Any:
@@ -655,8 +669,8 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
             "quantize", max(policy.bits, policy.nonlinear_bits), why="no graph context"
         )
     node = context["_node"]
-    if _copy_of_input(node):
-        return Treatment("keep", why="a cast or view of a graph input (a weight under autocast)")
+    if _copied_weight(node):
+        return Treatment("keep", why="a weight's copy (a cast or view of a graph input)")
     values = _two_constants(node, x.dtype)
     if values is not None:
         return Treatment("select", why="one of two constants chosen by a bool", values=values)
