@@ -222,13 +222,29 @@ def _memory_order(x: Tensor) -> tuple[int, ...]:
     return tuple(order)
 
 
+def _pack_order(x: Tensor, channel_dim: int) -> tuple[int, ...]:
+    """The order of ``x``'s dims in which it is packed: its memory order, except that the
+    channels of a ``[N, C, *spatial]`` tensor (``channel_dim`` 1) come right after the batch,
+    whatever its memory format. A channels-last tensor in memory order puts every channel of
+    a few pixels in one quantization group, whose range then spans all channels; channel by
+    channel a group holds neighbouring pixels of one channel, with a narrower range (as the
+    layer route packs it). ResNet-18 compiled in channels-last at L3: gradient cosine 0.69-0.74
+    in memory order, 0.81-0.82 in this one, as contiguous."""
+    order = _memory_order(x)
+    if channel_dim % max(x.dim(), 1) != 1 or x.dim() < 3 or order[1] == 1:
+        return order
+    rest = [d for d in order if d != 1]
+    return (rest[0], 1, *rest[1:])
+
+
 def _pack_graph(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) -> Any:
     how = treatment(x, policy, context)
     if how.kind == "index":  # (``to`` keeps the strides)
         return (x.to(how.dtype), ("index", x.dtype))
     if how.kind == "keep" or (how.bits is None and how.kind not in _ONE_BIT_KINDS):
         return (x,)
-    order = _memory_order(x)
+    order = _pack_order(x, how.channel_dim)
+    memory = _memory_order(x)  # (restored on unpack, where the pack's order differs)
     data = x.permute(order).contiguous()  # (once: the mask and the codes read the same)
     syms, layout = _shape_spec(data.shape)
     parts: dict[str, Tensor] = {}
@@ -264,7 +280,7 @@ def _pack_graph(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) 
             data = data / parts["scale"]
         parts["payload"], parts["lo"], parts["step"] = _quantize(data, how.bits, policy.group_size)
     names = tuple(parts)
-    meta = (how.kind, how.bits, layout, x.dtype, order, names, extra)
+    meta = (how.kind, how.bits, layout, x.dtype, order, names, extra, memory)
     return (*parts.values(), syms, meta)
 
 
@@ -330,28 +346,34 @@ def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
         return packed[0]
     if len(packed) == 2:  # ("index", dtype)
         return packed[0].to(packed[1][1])
-    kind, bits, layout, dtype, order, names, extra = packed[-1]
+    kind, bits, layout, dtype, order, names, extra, memory = packed[-1]
     parts = dict(zip(names, packed[: len(names)], strict=True))
-    shape = _shape_of(packed[-2], layout)  # in memory order
-    inverse = [order.index(i) for i in range(len(order))]
+    shape = _shape_of(packed[-2], layout)  # in the order packed
     numel = math.prod(shape)
+
+    def restore(t: Tensor) -> Tensor:  # from the pack's order to x's dims and strides
+        t = t.permute([order.index(i) for i in range(len(order))])
+        if memory == order:
+            return t
+        return t.permute(memory).contiguous().permute([memory.index(i) for i in range(len(order))])
+
     if kind == "bits":
-        return _unpack_mask(parts["mask"], numel).view(shape).permute(inverse)
+        return restore(_unpack_mask(parts["mask"], numel).view(shape))
     if kind == "select":  # (the two values as the saved tensor held them: exactly)
         where_set, elsewhere = (
             torch.full((), v, dtype=dtype, device=parts["mask"].device) for v in extra
         )
         chosen = torch.where(_unpack_mask(parts["mask"], numel), where_set, elsewhere)
-        return chosen.view(shape).permute(inverse)
+        return restore(chosen.view(shape))
     if kind == "mask":  # kept_floor where the ReLU's output was not <= 0: all its backward
         # reads (the bits times kept_floor: exact, and one product where a select took two)
         kept = unpack_bits(parts["mask"], 1, numel).to(dtype) * kept_floor(dtype)
-        return kept.view(shape).permute(inverse)
+        return restore(kept.view(shape))
     values = _dequantize(
         parts["payload"], parts["lo"], parts["step"], bits, policy.group_size, numel, dtype
     ).view(shape)
     if kind == "exp":  # the log of the restored exp(x - shift) (>= 0: never NaN), shifted back
-        return (torch.log(values.clamp_min(0)) + parts["shift"]).permute(inverse)
+        return restore(torch.log(values.clamp_min(0)) + parts["shift"])
     if "scale" in parts:
         values = values * parts["scale"]
     if "centre" in parts:
@@ -362,7 +384,7 @@ def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
     if "exact" in parts:  # the exact features and their index (the last dim, in memory order)
         last = order.index(len(order) - 1)
         values = values.index_copy(last, parts["index"], parts["exact"])
-    return values.permute(inverse)
+    return restore(values)
 
 
 # ---------------------------------------------------------------------------------- the graphs
