@@ -75,6 +75,7 @@ from torch import Tensor
 
 from ..ops.library import dequantize, pack_bits, relu_mask, unpack_bits
 from ..ops.masked import kept_floor
+from ..ops.pool_index import flat_index, window_offset
 from ..ops.seeds import quantize_fresh
 from . import partition_pass
 from .graph_treatment import GraphPolicy, treatment
@@ -241,6 +242,13 @@ def _pack_graph(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) 
     how = treatment(x, policy, context)
     if how.kind == "index":  # (``to`` keeps the strides)
         return (x.to(how.dtype), ("index", x.dtype))
+    if how.kind == "offset":  # (max-pooling indices: an output's argmax inside its window)
+        assert how.window is not None and how.bits is not None
+        spatial, *window = how.window
+        offset = window_offset(x.contiguous(), spatial, *window).to(torch.uint8)
+        syms, layout = _shape_spec(x.shape)
+        meta = ("offset", how.bits, layout, how.window, _memory_order(x))
+        return (pack_bits(offset.reshape(-1), how.bits), syms, meta)
     if how.kind == "keep" or (how.bits is None and how.kind not in _ONE_BIT_KINDS):
         return (x,)
     order = _pack_order(x, how.channel_dim)
@@ -341,11 +349,23 @@ def _unpack_mask(mask: Tensor, numel: int) -> Tensor:
     return unpack_bits(mask, 1, numel).to(torch.int32) != 0
 
 
+def _with_strides(t: Tensor, memory: tuple[int, ...]) -> Tensor:
+    """``t`` with its dims laid out in memory in the order ``memory`` (outermost first)."""
+    if memory == tuple(range(t.dim())):
+        return t.contiguous()
+    return t.permute(memory).contiguous().permute([memory.index(i) for i in range(t.dim())])
+
+
 def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
     if len(packed) == 1:
         return packed[0]
     if len(packed) == 2:  # ("index", dtype)
         return packed[0].to(packed[1][1])
+    if packed[-1][0] == "offset":
+        _, bits, layout, (spatial, *window), memory = packed[-1]
+        shape = _shape_of(packed[-2], layout)
+        offset = unpack_bits(packed[0], bits, math.prod(shape)).view(shape)
+        return _with_strides(flat_index(offset, spatial, *window), memory)
     kind, bits, layout, dtype, order, names, extra, memory = packed[-1]
     parts = dict(zip(names, packed[: len(names)], strict=True))
     shape = _shape_of(packed[-2], layout)  # in the order packed
@@ -353,9 +373,7 @@ def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
 
     def restore(t: Tensor) -> Tensor:  # from the pack's order to x's dims and strides
         t = t.permute([order.index(i) for i in range(len(order))])
-        if memory == order:
-            return t
-        return t.permute(memory).contiguous().permute([memory.index(i) for i in range(len(order))])
+        return t if memory == order else _with_strides(t, memory)
 
     if kind == "bits":
         return restore(_unpack_mask(parts["mask"], numel).view(shape))

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..compressors.channel_scaled import exact_channels
 from ..layers.roles import batch_norm_bits
+from ..ops.pool_index import offset_bits
 
 __all__ = [
     "EXACT_FEATURE_SHARE",
@@ -425,26 +426,61 @@ def _unviewed(node: Any) -> Any:
     return node
 
 
-def _pooling_index_dtype(node: Any) -> torch.dtype | None:
-    """The narrowest integer type that holds the max-pooling indices ``node`` exactly (they
-    index one plane of the pooled input), or None if ``node`` is not such indices or the
-    plane's size is symbolic."""
+def _pooling_indices(node: Any) -> tuple[Any, ...] | None:
+    """``(pool node, its input's spatial sizes)`` if ``node`` is (a view of) the indices of a
+    max pool whose input's spatial sizes are known ints, else None."""
     node = _unviewed(node)
     if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 1:
         return None
     pool = node.args[0]
     nd = _MAX_POOLS.get(_packet(getattr(pool, "target", None)))
     val = pool.args[0].meta.get("val") if nd and pool.args else None
-    if not isinstance(val, Tensor):
+    if not isinstance(val, Tensor) or not all(isinstance(n, int) for n in val.shape[-nd:]):
         return None
-    plane = 1
-    for size in val.shape[-nd:]:
-        if not isinstance(size, int):
-            return None
-        plane *= size
+    return pool, tuple(val.shape[-nd:])
+
+
+def _pooling_index_dtype(node: Any) -> torch.dtype | None:
+    """The narrowest integer type that holds the max-pooling indices ``node`` exactly (they
+    index one plane of the pooled input), or None if ``node`` is not such indices or the
+    plane's size is symbolic."""
+    found = _pooling_indices(node)
+    if found is None:
+        return None
+    plane = math.prod(found[1])
     if plane <= torch.iinfo(torch.int16).max:
         return torch.int16
     return torch.int32 if plane <= torch.iinfo(torch.int32).max else None
+
+
+def _pooling_window(node: Any) -> tuple[tuple[int, ...], ...] | None:
+    """``(input's spatial sizes, kernel, stride, padding, dilation)`` of the max pool whose
+    indices ``node`` is itself (not a view of them), from the pool's arguments (aten's
+    defaults: the stride is the kernel, no padding, no dilation); None otherwise or where an
+    argument is not known ints."""
+    found = _pooling_indices(node)
+    if found is None or _unviewed(node) is not node:
+        return None
+    pool, spatial = found
+    nd = len(spatial)
+    args = list(pool.args[1:5]) + [None] * (5 - len(pool.args))
+    names = ("kernel_size", "stride", "padding", "dilation")
+    kernel, stride, padding, dilation = (
+        pool.kwargs.get(name, arg) for name, arg in zip(names, args, strict=False)
+    )
+
+    def spread(value: Any, default: Any) -> tuple[int, ...] | None:
+        value = (
+            default if value is None or (isinstance(value, (list, tuple)) and not value) else value
+        )
+        value = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+        value = value * nd if len(value) == 1 else value
+        return value if len(value) == nd and all(isinstance(v, int) for v in value) else None
+
+    window = (spread(kernel, None), spread(stride, kernel), spread(padding, 0), spread(dilation, 1))
+    if any(w is None for w in window):
+        return None
+    return (spatial, *window)
 
 
 def _mask_test(op: Any, user: Any, pos: int) -> bool:
@@ -623,9 +659,10 @@ def _placeholders(bw_graph: Any, name: str) -> list[Any]:
 class Treatment:
     """How one saved tensor is kept: ``kind`` is ``"keep"``, ``"quantize"``, ``"relu"``
     (mask plus values), ``"mask"`` (a ReLU's output of which backward reads only where it
-    is positive: its 1-bit mask alone) or ``"index"`` (max-pooling indices in the
-    narrowest integer type that holds them), ``"bits"`` (a bool tensor at 1 bit an element),
-    ``"select"`` (a float tensor that holds one of two constants, chosen by a bool: a float
+    is positive: its 1-bit mask alone), ``"offset"`` (a max pool's indices as offsets inside
+    their windows, ``bits`` each, the pool's geometry in ``window``) or ``"index"``
+    (max-pooling indices seen through a view, in the narrowest integer type that holds
+    them), ``"bits"`` (a bool tensor at 1 bit an element), ``"select"`` (a float tensor that holds one of two constants, chosen by a bool: a float
     attention mask, 1 bit an element, lossless) or ``"exp"`` (a tensor backward reads only
     through ``exp``, such as log-probabilities or logits: ``exp(x - rowmax)`` quantized, an
     unbiased estimate of what backward reads, and the row maxima exact); ``bits`` the
@@ -646,6 +683,7 @@ class Treatment:
     dtype: torch.dtype | None = None  # what an "index" is stored as
     values: tuple[float, float] | None = None  # a "select"'s two values (where set, where not)
     normalized: bool = False
+    window: tuple[tuple[int, ...], ...] | None = None  # an "offset"'s pooling geometry
 
 
 def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) -> Treatment:
@@ -656,6 +694,14 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
         return Treatment("bits", why="a bool tensor: 1 bit an element")
     if x.dtype not in FLOATS or x.layout != torch.strided:
         if x.dtype == torch.int64 and context is not None:
+            window = _pooling_window(context["_node"])
+            if window is not None and offset_bits(window[1]) <= 8:
+                return Treatment(
+                    "offset",
+                    offset_bits(window[1]),
+                    why="max-pooling indices, as offsets inside their windows",
+                    window=window,
+                )
             narrow = _pooling_index_dtype(context["_node"])
             if narrow is not None:
                 return Treatment(
