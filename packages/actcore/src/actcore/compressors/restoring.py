@@ -20,6 +20,7 @@ Values are shared only while autograd is off (backward, not a ``create_graph`` o
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any
@@ -41,7 +42,10 @@ class _Entry:
     def __init__(self, comp: Compressor, key: _Key, tensors: Tensors) -> None:
         # (held: the ids in the key, a Derived's function's among them, stay its own)
         self.comp = comp
-        self.refs = tuple(weakref.ref(t, lambda _r: _forget(key, self)) for t in tensors)
+        # (one callback for all its tensors, holding the key, not the entry: no reference
+        # cycle, so an entry dropped from the table is freed at once, not by the collector)
+        died = functools.partial(_died, key)
+        self.refs = tuple(weakref.ref(t, died) for t in tensors)
         self.expected = 0
         self.value: torch.Tensor | None = None
         self.version = 0
@@ -63,6 +67,14 @@ def _forget(key: _Key, entry: _Entry) -> None:
         entry.value = None
         if _TABLE.get(key) is entry:
             del _TABLE[key]
+
+
+def _died(key: _Key, ref: weakref.ref) -> None:
+    """A packed tensor of the entry at ``key`` died (its weak reference ``ref``)."""
+    with _LOCK:
+        entry = _TABLE.get(key)
+        if entry is not None and any(r is ref for r in entry.refs):
+            _forget(key, entry)
 
 
 def _found(comp: Compressor, tensors: Tensors) -> tuple[_Key, _Entry | None]:

@@ -30,6 +30,7 @@ from ..compressors import (
 from ..compressors.channel_scaled import ChannelScales, scaled
 from ..config import LevelSpec, config
 from ..memory import saved_hooks
+from ..memory.api import note_saved
 from ..saved_tensors.handles import check_version
 from . import roles
 from .roles import CONV, NARROW_BITS, NORM, role_bits
@@ -292,6 +293,8 @@ def stash(
     tensors: list[torch.Tensor] = []
     plan: list[tuple[int, Compressor | None, Any]] = []
     parts: list[Packing | None] = []
+    held: list[torch.Tensor | None] = []  # per tensor: held on ctx, or None (saved)
+    direct = _holds_packings()
     for x, how in items:
         if x is None:
             plan.append((0, None, None))
@@ -302,19 +305,42 @@ def stash(
         restoring.expect(part)  # (unstash reads it through restoring.restore)
         plan.append((len(part.tensors), part.compressor, part.meta))
         parts.append(part)
-        tensors.extend(part.tensors)
         # saved-tensor hooks must keep these as they are: see stashed_kind. A packing's own
         # tensors are new; a derived one holds other packings' tensors (a weight among them)
         made = part.compressor is not IDENTITY and not isinstance(part.compressor, Derived)
         for t in part.tensors:
             own = made and t.data_ptr() != x.data_ptr()  # (x itself, or its memory: kept)
+            if own and direct:  # (what the hooks would have passed through, and counted)
+                note_saved(t)
+                held.append(t)
+                continue
             _records.setdefault(t)["stashed"] = PACKED if own else KEPT
+            held.append(None)
+            tensors.append(t)
     ctx.save_for_backward(*tensors)
+    ctx.act_held = held if any(t is not None for t in held) else None
     ctx.act_plan = plan
     ctx.act_layer = layer
     copied = [x for (x, _), (_, comp, _) in zip(items, plan, strict=True) if comp is not IDENTITY]
     ctx.act_versions = [(weakref.ref(t), t._version) for t in (*copied, *watch) if t is not None]
     return parts
+
+
+_KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def _holds_packings() -> bool:
+    """Whether :func:`stash` holds the tensors its packings make on ``ctx`` itself, past
+    the saved-tensor hooks: where the innermost hooks are a model scope's own, which would
+    pass them through untouched (two Python calls a tensor, hundreds a step), and backward
+    can tell whether the graph is kept (to free them after their backward, as autograd frees
+    saved tensors). A user's hooks (``save_on_cpu``), checkpoint's and a tracker's see them
+    all as saved tensors."""
+    if _KEEP_GRAPH is None:
+        return False
+    top = top_hooks()
+    holds = getattr(top[0], "act_holds_packings", None) if top is not None else None
+    return holds is not None and holds()
 
 
 def derive_output(ctx: Any, fn: Any, parts: Sequence[Packing | None], affine: bool = False) -> None:
@@ -524,12 +550,29 @@ def unstash(ctx: Any) -> list[torch.Tensor | None]:
         if source is not None:
             check_version(source, version)
     saved = ctx.saved_tensors
+    held = getattr(ctx, "act_held", None)
+    if held is _FREED:
+        raise RuntimeError(_SECOND_BACKWARD)
+    if held is not None:  # (the held tensors in their places among the saved ones)
+        rest = iter(saved)
+        saved = tuple(next(rest) if t is None else t for t in held)
+        if not _KEEP_GRAPH():  # freed after their backward, as autograd frees saved tensors
+            ctx.act_held = _FREED
     out: list[torch.Tensor | None] = []
     i = 0
     for n, comp, meta in ctx.act_plan:
         out.append(None if comp is None else restoring.restore(comp, saved[i : i + n], meta))
         i += n
     return out
+
+
+_FREED = "freed"  # ctx.act_held once its backward ran without retain_graph
+_SECOND_BACKWARD = (
+    "Trying to backward through the graph a second time (or directly access saved tensors "
+    "after they have already been freed): an actcore layer's packed tensors are freed when "
+    "its backward runs. Specify retain_graph=True if you need to backward through the graph "
+    "a second time."
+)
 
 
 def needs_saving(*tensors: torch.Tensor | None) -> bool:

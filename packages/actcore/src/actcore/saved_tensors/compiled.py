@@ -79,6 +79,7 @@ from ..ops.pool_index import flat_index, window_offset
 from ..ops.seeds import quantize_fresh
 from . import partition_pass
 from .graph_treatment import GraphPolicy, treatment
+from .handles import Handle
 
 __all__ = ["SavedHooksGraph", "graph_hooks", "inlining_supported", "is_own_graph"]
 
@@ -113,6 +114,7 @@ class SavedHooksGraph(torch.fx.GraphModule):
     inlining the hook) records the same function's ops either way."""
 
     act_fn: Any
+    act_holds_packings: Any  # (the pack graph: see _passes_packings)
 
     def __call__(self, x: Any) -> Any:
         return self.act_fn(x)
@@ -439,18 +441,27 @@ def graph_hooks(policy: GraphPolicy) -> tuple[SavedHooksGraph, SavedHooksGraph]:
         context = _CONTEXT() if _CONTEXT is not None else None
         if context is None:  # an eager save: the active hooks' own pack
             owner = _owners()[-1]
-            return _Eager(owner, owner.pack(x))
+            handle = owner.pack(x)  # (a Handle restores itself: no wrapper to allocate)
+            return handle if isinstance(handle, Handle) else _Eager(owner, handle)
         owners = _owners()
         if owners:  # traced now, on the thread that runs the forward
             owners[-1].note_compiled_save()
         return _pack_graph(x, policy, context)
 
     def actcore_unpack(packed: Any) -> Tensor:
+        if isinstance(packed, Handle):  # (what SavedTensorHooks.unpack does with it)
+            return packed.restore()
         if isinstance(packed, _Eager):
             return packed.owner.unpack(packed.handle)
         return _unpack_graph(packed, policy)
 
-    return (
-        _one_call_graph(actcore_pack, "ActcorePack"),
-        _one_call_graph(actcore_unpack, "ActcoreUnpack"),
-    )
+    pack = _one_call_graph(actcore_pack, "ActcorePack")
+    pack.act_holds_packings = _passes_packings  # (asked by actcore.layers.stash)
+    return pack, _one_call_graph(actcore_unpack, "ActcoreUnpack")
+
+
+def _passes_packings() -> bool:
+    """Whether the hooks now saving eagerly on this thread would pass a Q-layer's packed
+    tensors through untouched (no hooks enclosing them to hand those on to)."""
+    owners = _owners()
+    return bool(owners) and owners[-1].passes_packings()

@@ -257,6 +257,11 @@ class SavedTensorHooks:
             bits, self.min_numel, self.group_size, self.exact_ops, ACTIVATION_BITS, self.kind_bits
         )
 
+    def passes_packings(self) -> bool:
+        """Whether :meth:`pack` passes a Q-layer's packed tensors through untouched on this
+        thread: no other hooks enclose these (see :meth:`_enclosing`)."""
+        return getattr(self._local, "enclosing", None) is None
+
     def _enclosing(self) -> Enclosing | None:
         """The saved-tensor hooks active as these are pushed when they are another's (a
         user's, ``save_on_cpu``, a profiler's): PyTorch runs only the innermost hooks, so
