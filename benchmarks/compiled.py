@@ -11,7 +11,7 @@ memory, independent of actcore; CUDA: ``memory_allocated`` after the forward min
 Cosine: all parameter gradients of one step against eager plain's. Time: median of
 ``--repeats`` forward+backward steps after two warm-up steps (the compilation).
 
-    python benchmarks/compiled.py --models gpt,llama,resnet50 --json benchmarks/results/cpu-compiled.json
+    python benchmarks/compiled.py --models gpt,llama,resnet50,vit_b_16 --json benchmarks/results/cpu-compiled.json
 """
 
 from __future__ import annotations
@@ -102,7 +102,16 @@ def build(name: str, device: torch.device) -> tuple[nn.Module, Callable[[nn.Modu
         x = torch.randn(4, 3, 224, 224, device=device)
         y = torch.randint(0, 1000, (4,), device=device)
         return model.to(device), lambda m: F.cross_entropy(m(x), y)
-    raise SystemExit(f"unknown model {name!r}; choose from gpt, llama, resnet50")
+    if name == "vit_b_16":
+        import torchvision
+
+        model = torchvision.models.vit_b_16()
+        # (torchvision starts the head at zero: no gradient would reach the encoder)
+        nn.init.normal_(model.heads.head.weight, std=0.02)
+        x = torch.randn(2, 3, 224, 224, device=device)
+        y = torch.randint(0, 1000, (2,), device=device)
+        return model.to(device), lambda m: F.cross_entropy(m(x), y)
+    raise SystemExit(f"unknown model {name!r}; choose from gpt, llama, resnet50, vit_b_16")
 
 
 def compile_config(variant: str) -> Any:

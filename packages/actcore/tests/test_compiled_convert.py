@@ -9,6 +9,7 @@ import math
 import os
 import tempfile
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -297,19 +298,36 @@ def test_max_pool_indices_come_back_exactly(
     the same input gradient as compiled plain's (a mismatch would route it elsewhere)."""
     spy = _Spy(monkeypatch)
     x = torch.randn(2, 8, 32, 32, requires_grad=True)
+    # (a gradient that differs by output, from a backward that reads no saved tensor)
+    plain, packed = _pooled_grads(lambda x: pool(x).flatten().cumsum(0).sum(), x, BACKEND)
+    assert {how.bits for _, how in spy.seen if how.kind == "offset"} == {bits}
+    assert torch.equal(plain, packed)
+
+
+def test_inductors_pool_offsets_are_packed_at_their_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under inductor a max pool saves its argmax as int8 offsets inside the windows (its
+    low-memory pool): packed at the window's 4 bits, the gradient stays bitwise."""
+    spy = _Spy(monkeypatch)
+    shift = torch.linspace(-1, 1, 8).view(1, 8, 1, 1)
+    x = (torch.randn(4, 8, 32, 32) + shift).requires_grad_()
+    plain, packed = _pooled_grads(
+        lambda x: F.max_pool2d(F.relu(x), 3, 2, 1).flatten().cumsum(0).sum(), x, "inductor"
+    )
+    offsets = [how for _, how in spy.seen if how.kind == "offset"]
+    assert offsets and {(how.bits, how.dtype) for how in offsets} == {(4, torch.int8)}
+    assert torch.equal(plain, packed)
+
+
+def _pooled_grads(fn: Callable, x: torch.Tensor, backend: str) -> list[torch.Tensor]:
+    """``x``'s gradient of ``fn`` compiled with ``backend``, plain and under the hooks."""
     grads = []
     for scope in (False, True):
         torch._dynamo.reset()
-        # (a gradient that differs by output, from a backward that reads no saved tensor)
-        fn = torch.compile(lambda x: pool(x).flatten().cumsum(0).sum(), backend=BACKEND)
-        if scope:
-            with actcore.compress_saved_tensors("G1.2", min_numel=256):
-                loss = fn(x)
-        else:
-            loss = fn(x)
+        compiled_fn = torch.compile(fn, backend=backend)
+        with actcore.compress_saved_tensors("G1.2", min_numel=256) if scope else nullcontext():
+            loss = compiled_fn(x)
         grads.append(torch.autograd.grad(loss, x)[0])
-    assert {how.bits for _, how in spy.seen if how.kind == "offset"} == {bits}
-    assert torch.equal(grads[0], grads[1])
+    return grads
 
 
 def test_level_zero_compiles_to_the_plain_gradients() -> None:

@@ -247,9 +247,12 @@ def _pack_graph(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) 
     if how.kind == "offset":  # (max-pooling indices: an output's argmax inside its window)
         assert how.window is not None and how.bits is not None
         spatial, *window = how.window
-        offset = window_offset(x.contiguous(), spatial, *window).to(torch.uint8)
+        if how.dtype is None:  # (flat indices into the plane)
+            offset = window_offset(x.contiguous(), spatial, *window).to(torch.uint8)
+        else:  # (offsets already)
+            offset = x.contiguous().to(torch.uint8)
         syms, layout = _shape_spec(x.shape)
-        meta = ("offset", how.bits, layout, how.window, _memory_order(x))
+        meta = ("offset", how.bits, layout, how.window, _memory_order(x), how.dtype)
         return (pack_bits(offset.reshape(-1), how.bits), syms, meta)
     if how.kind == "keep" or (how.bits is None and how.kind not in _ONE_BIT_KINDS):
         return (x,)
@@ -364,9 +367,11 @@ def _unpack_graph(packed: Any, policy: GraphPolicy) -> Tensor:
     if len(packed) == 2:  # ("index", dtype)
         return packed[0].to(packed[1][1])
     if packed[-1][0] == "offset":
-        _, bits, layout, (spatial, *window), memory = packed[-1]
+        _, bits, layout, (spatial, *window), memory, dtype = packed[-1]
         shape = _shape_of(packed[-2], layout)
         offset = unpack_bits(packed[0], bits, math.prod(shape)).view(shape)
+        if dtype is not None:
+            return _with_strides(offset.to(dtype), memory)
         return _with_strides(flat_index(offset, spatial, *window), memory)
     kind, bits, layout, dtype, order, names, extra, memory = packed[-1]
     parts = dict(zip(names, packed[: len(names)], strict=True))

@@ -428,16 +428,25 @@ def _unviewed(node: Any) -> Any:
 
 def _pooling_indices(node: Any) -> tuple[Any, ...] | None:
     """``(pool node, its input's spatial sizes)`` if ``node`` is (a view of) the indices of a
-    max pool whose input's spatial sizes are known ints, else None."""
+    max pool (or the offsets of inductor's low-memory one) whose input's spatial sizes are
+    known ints, else None."""
     node = _unviewed(node)
     if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 1:
         return None
     pool = node.args[0]
     nd = _MAX_POOLS.get(_packet(getattr(pool, "target", None)))
+    if _offsets_pool(pool) and len(pool.args) > 1:  # (inductor's: offsets already)
+        nd = len(pool.args[1]) if isinstance(pool.args[1], (list, tuple)) else None
     val = pool.args[0].meta.get("val") if nd and pool.args else None
     if not isinstance(val, Tensor) or not all(isinstance(n, int) for n in val.shape[-nd:]):
         return None
     return pool, tuple(val.shape[-nd:])
+
+
+def _offsets_pool(pool: Any) -> bool:
+    """Whether ``pool`` is inductor's low-memory max pool, whose second output is each
+    output's argmax as its offset inside the window (int8) rather than a flat index."""
+    return "_low_memory_max_pool_with_offsets" in str(getattr(pool, "target", ""))
 
 
 def _pooling_index_dtype(node: Any) -> torch.dtype | None:
@@ -445,7 +454,7 @@ def _pooling_index_dtype(node: Any) -> torch.dtype | None:
     index one plane of the pooled input), or None if ``node`` is not such indices or the
     plane's size is symbolic."""
     found = _pooling_indices(node)
-    if found is None:
+    if found is None or _offsets_pool(found[0]):
         return None
     plane = math.prod(found[1])
     if plane <= torch.iinfo(torch.int16).max:
@@ -693,6 +702,16 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
     if x.dtype == torch.bool and x.layout == torch.strided and x.numel() >= policy.min_numel:
         return Treatment("bits", why="a bool tensor: 1 bit an element")
     if x.dtype not in FLOATS or x.layout != torch.strided:
+        if x.dtype in (torch.int8, torch.uint8) and context is not None:
+            window = _pooling_window(context["_node"])
+            if window is not None and offset_bits(window[1]) < 8:
+                return Treatment(
+                    "offset",
+                    offset_bits(window[1]),
+                    why="max-pooling offsets inside their windows",
+                    window=window,
+                    dtype=x.dtype,  # (already offsets: restored as they are)
+                )
         if x.dtype == torch.int64 and context is not None:
             window = _pooling_window(context["_node"])
             if window is not None and offset_bits(window[1]) <= 8:
