@@ -109,3 +109,24 @@ def test_the_tracker_counts_the_held_packings(monkeypatch: pytest.MonkeyPatch) -
         kept.append(report.retained_bytes)
         out.sum().backward()
     assert kept[0] == kept[1] > 0, kept
+
+
+def test_a_derived_input_holds_the_packings_it_is_rebuilt_from() -> None:
+    """A linear reading a layer norm's output keeps it as derived from the norm's packing:
+    the tensors that packing made are held on the linear's node too; the norm's weight and
+    bias, which the rebuild reads, stay saved tensors (autograd checks their versions)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64))
+    model = actcore.convert(model, "L3")
+    out = model(torch.randn(4, 32, 64))
+    node = out.grad_fn
+    while type(node).__name__ != "LinearFunctionBackward":
+        node = node.next_functions[0][0]
+    held = [t for t in node.act_held if t is not None]
+    assert any(t.dtype == torch.uint8 for t in held)  # (the norm's codes)
+    params = {id(p) for p in model.parameters()}
+    assert not any(id(t) in params for t in held)
+    norm = model[1]
+    saved = {t.data_ptr() for t in node.saved_tensors}
+    assert {norm.weight.data_ptr(), norm.bias.data_ptr()} <= saved
+    out.sum().backward()

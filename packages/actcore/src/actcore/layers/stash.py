@@ -308,10 +308,11 @@ def stash(
         # saved-tensor hooks must keep these as they are: see stashed_kind. A packing's own
         # tensors are new; a derived one holds other packings' tensors (a weight among them)
         made = part.compressor is not IDENTITY and not isinstance(part.compressor, Derived)
+        derived = _packing_made(part) if direct and not made else ()
         for t in part.tensors:
             own = made and t.data_ptr() != x.data_ptr()  # (x itself, or its memory: kept)
-            if own and direct:  # (what the hooks would have passed through, and counted)
-                note_saved(t)
+            if direct and (own or any(t is d for d in derived)):
+                note_saved(t)  # (what the hooks would have passed through, and counted)
                 held.append(t)
                 continue
             _records.setdefault(t)["stashed"] = PACKED if own else KEPT
@@ -327,6 +328,18 @@ def stash(
 
 
 _KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def _packing_made(packing: Packing) -> list[torch.Tensor]:
+    """The tensors of a :class:`~actcore.compressors.Derived` packing that lossy packings
+    made (codes, ranges, scales: never a weight it refers to, never an op's output)."""
+    found: list[torch.Tensor] = []
+    for part in packing.compressor.parts_of(packing.tensors, packing.meta):
+        if isinstance(part.compressor, Derived):
+            found.extend(_packing_made(part))
+        elif part.compressor.lossy:
+            found.extend(part.tensors)
+    return found
 
 
 def _holds_packings() -> bool:
