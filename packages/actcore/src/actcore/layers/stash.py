@@ -347,8 +347,9 @@ def _holds_packings() -> bool:
     the saved-tensor hooks: where the innermost hooks are a model scope's own, which would
     pass them through untouched (two Python calls a tensor, hundreds a step), and backward
     can tell whether the graph is kept (to free them after their backward, as autograd frees
-    saved tensors). A user's hooks (``save_on_cpu``), checkpoint's and a tracker's see them
-    all as saved tensors."""
+    saved tensors). Where other hooks are innermost (checkpoint's, a user's, a tracker's),
+    or a user's enclose the scope's (``save_on_cpu``), they get them all as saved tensors; an
+    active tracker is told of held ones (:func:`~actcore.memory.note_saved`)."""
     if _KEEP_GRAPH is None:
         return False
     top = top_hooks()
@@ -569,8 +570,8 @@ def unstash(ctx: Any) -> list[torch.Tensor | None]:
     if held is not None:  # (the held tensors in their places among the saved ones)
         rest = iter(saved)
         saved = tuple(next(rest) if t is None else t for t in held)
-        if not _KEEP_GRAPH():  # freed after their backward, as autograd frees saved tensors
-            ctx.act_held = _FREED
+        if not torch.compiler.is_compiling() and not _KEEP_GRAPH():
+            ctx.act_held = _FREED  # freed after their backward, as autograd frees saved tensors
     out: list[torch.Tensor | None] = []
     i = 0
     for n, comp, meta in ctx.act_plan:
