@@ -671,8 +671,9 @@ class Treatment:
     is positive: its 1-bit mask alone), ``"offset"`` (a max pool's indices as offsets inside
     their windows, ``bits`` each, the pool's geometry in ``window``) or ``"index"``
     (max-pooling indices seen through a view, in the narrowest integer type that holds
-    them), ``"bits"`` (a bool tensor at 1 bit an element), ``"select"`` (a float tensor that holds one of two constants, chosen by a bool: a float
-    attention mask, 1 bit an element, lossless) or ``"exp"`` (a tensor backward reads only
+    them), ``"bits"`` (a bool tensor at 1 bit an element), ``"select"`` (a float tensor
+    that holds one of two constants, chosen by a bool: a float attention mask, 1 bit an
+    element, lossless) or ``"exp"`` (a tensor backward reads only
     through ``exp``, such as log-probabilities or logits: ``exp(x - rowmax)`` quantized, an
     unbiased estimate of what backward reads, and the row maxima exact); ``bits`` the
     quantization's bits; ``why`` names the rule; ``exact_features``: how many features of
@@ -689,7 +690,7 @@ class Treatment:
     why: str = ""
     exact_features: int = 0
     channel_dim: int = -1  # the dim of its channels (1: a convolution's [N, C, *spatial])
-    dtype: torch.dtype | None = None  # what an "index" is stored as
+    dtype: torch.dtype | None = None  # what an "index" is stored as; an "offset"'s own
     values: tuple[float, float] | None = None  # a "select"'s two values (where set, where not)
     normalized: bool = False
     window: tuple[tuple[int, ...], ...] | None = None  # an "offset"'s pooling geometry
