@@ -172,3 +172,19 @@ def test_bare_context_uses_current_plan() -> None:
     with compress_saved_tensors(p):
         pass
     assert ACGC(0.1).bits_for("unseen") == 8  # unmeasured tensors: the safe side
+
+
+def test_probe_distances_are_those_of_the_flattened_gradients() -> None:
+    """The probes' squared gradient distances, taken one parameter at a time, are those of
+    the flattened gradients (which each pass used to copy whole); mismatched passes raise."""
+    from actcore.policies.sensitivity import _squared_distance
+
+    gen = torch.Generator().manual_seed(0)
+    a = [torch.randn(s, generator=gen) for s in ((64, 32), (32,), (8, 3, 3, 3))]
+    b = [t + 0.01 * torch.randn(t.shape, generator=gen) for t in a]
+    flat_a, flat_b = (torch.cat([t.reshape(-1) for t in g]) for g in (a, b))
+    torch.testing.assert_close(_squared_distance(a, b), (flat_a - flat_b).square().sum())
+    torch.testing.assert_close(_squared_distance(a, None), flat_a.square().sum())
+    assert torch.equal(torch.cat([t.reshape(-1) for t in a]), flat_a)  # (left as they were)
+    with pytest.raises(RuntimeError, match="same parameters"):
+        _squared_distance(a[:2], [*b[:2], a[0]])
