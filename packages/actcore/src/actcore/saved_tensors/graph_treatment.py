@@ -696,6 +696,26 @@ class Treatment:
     window: tuple[tuple[int, ...], ...] | None = None  # an "offset"'s pooling geometry
 
 
+def _pooling_offsets(x: Tensor, context: dict[str, Any] | None) -> Treatment | None:
+    """A max pool's saved argmax as offsets inside its windows at the window's bits: its flat
+    indices (int64, converted when packed) or inductor's int8 offsets (packed as they are,
+    where the window takes fewer than their 8 bits); None for anything else."""
+    already = x.dtype in (torch.int8, torch.uint8)
+    if context is None or not (already or x.dtype == torch.int64):
+        return None
+    window = _pooling_window(context["_node"])
+    bits = offset_bits(window[1]) if window is not None else None
+    if bits is None or bits > 8 or (already and bits == 8):
+        return None
+    return Treatment(
+        "offset",
+        bits,
+        why="max-pooling indices, as offsets inside their windows",
+        window=window,
+        dtype=x.dtype if already else None,  # (already offsets: restored as they are)
+    )
+
+
 def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) -> Treatment:
     """How a compiled graph keeps the saved tensor ``x`` (see the module docstring)."""
     if policy.bits is None:
@@ -703,25 +723,10 @@ def treatment(x: Tensor, policy: GraphPolicy, context: dict[str, Any] | None) ->
     if x.dtype == torch.bool and x.layout == torch.strided and x.numel() >= policy.min_numel:
         return Treatment("bits", why="a bool tensor: 1 bit an element")
     if x.dtype not in FLOATS or x.layout != torch.strided:
-        if x.dtype in (torch.int8, torch.uint8) and context is not None:
-            window = _pooling_window(context["_node"])
-            if window is not None and offset_bits(window[1]) < 8:
-                return Treatment(
-                    "offset",
-                    offset_bits(window[1]),
-                    why="max-pooling offsets inside their windows",
-                    window=window,
-                    dtype=x.dtype,  # (already offsets: restored as they are)
-                )
+        offsets = _pooling_offsets(x, context)
+        if offsets is not None:
+            return offsets
         if x.dtype == torch.int64 and context is not None:
-            window = _pooling_window(context["_node"])
-            if window is not None and offset_bits(window[1]) <= 8:
-                return Treatment(
-                    "offset",
-                    offset_bits(window[1]),
-                    why="max-pooling indices, as offsets inside their windows",
-                    window=window,
-                )
             narrow = _pooling_index_dtype(context["_node"])
             if narrow is not None:
                 return Treatment(
